@@ -1,0 +1,97 @@
+"""Bucket layout: which gradients are fused into which flat buffer (pure).
+
+A bucket holds parameters of one dtype, packed back to back in the fixed
+parameter order that every rank shares. A parameter with more than
+``min(threshold, buff_size)`` elements is a bucket of its own (it is reduced
+without a copy when its gradient is contiguous); smaller ones are fused into
+buckets of at most ``buff_size`` elements, as SINGA's DistOpt does with its
+``threshold`` and ``buffSize`` (both in ELEMENTS, not bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["Slot", "Bucket", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a bucket.
+
+    Attributes:
+        index: position of the parameter in the caller's parameter list.
+        offset: first element of the parameter in the bucket's flat buffer.
+        size: number of elements (may be 0).
+        shape: the parameter's shape.
+    """
+
+    index: int
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A flat buffer of ``size`` elements of ``dtype`` holding ``slots``."""
+
+    dtype: np.dtype
+    slots: tuple[Slot, ...]
+    size: int
+
+    @property
+    def alone(self) -> bool:
+        """True when the bucket is one parameter reduced without packing."""
+        return len(self.slots) == 1 and self.slots[0].offset == 0 and self.slots[0].size == self.size
+
+
+def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: int,
+                 buff_size: int) -> list[Bucket]:
+    """Cut parameters into buckets.
+
+    Args:
+        specs: ``(shape, dtype)`` per parameter, in the shared order.
+        threshold: parameters with more than this many elements are reduced
+            alone (elements, >= 0).
+        buff_size: capacity of a fused buffer in elements (>= 1); a parameter
+            larger than it is always alone, never overflowing the buffer.
+
+    Returns:
+        Buckets in order of their first parameter; within a dtype, parameter
+        order is kept. Zero-size parameters get a slot of size 0.
+
+    Raises:
+        ValueError: ``threshold < 0`` or ``buff_size < 1``.
+    """
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0 elements, got {threshold}")
+    if buff_size < 1:
+        raise ValueError(f"buffSize must be >= 1 element, got {buff_size}")
+    limit = min(threshold, buff_size)
+    buckets: list[Bucket] = []
+    open_slots: dict[np.dtype, list[Slot]] = {}
+    open_fill: dict[np.dtype, int] = {}
+
+    def flush(dtype: np.dtype) -> None:
+        slots = open_slots.pop(dtype, [])
+        if slots:
+            buckets.append(Bucket(dtype, tuple(slots), open_fill.pop(dtype)))
+
+    for index, (shape, dtype) in enumerate(specs):
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64))
+        if size > limit:
+            buckets.append(Bucket(dtype, (Slot(index, 0, size, tuple(shape)),), size))
+            continue
+        if open_fill.get(dtype, 0) + size > buff_size:
+            flush(dtype)
+        fill = open_fill.get(dtype, 0)
+        open_slots.setdefault(dtype, []).append(Slot(index, fill, size, tuple(shape)))
+        open_fill[dtype] = fill + size
+    for dtype in list(open_slots):
+        flush(dtype)
+    first = {id(b): min(s.index for s in b.slots) for b in buckets}
+    return sorted(buckets, key=lambda b: first[id(b)])

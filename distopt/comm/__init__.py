@@ -1,0 +1,47 @@
+"""Communicator backends, chosen by name from a registry.
+
+``create("mpi")`` returns an MPI communicator, ``create("shm", ...)`` the
+single-node shared-memory one, ``create("nccl", ...)`` NCCL through CuPy.
+A backend whose optional dependency is missing raises
+:class:`~distopt.errors.BackendUnavailableError` naming what to install;
+there is never a fallback to another backend.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import BackendUnavailableError
+from .base import DEFAULT_TIMEOUT, REDUCE_OPS, Communicator
+
+__all__ = ["Communicator", "create", "BACKENDS", "DEFAULT_TIMEOUT", "REDUCE_OPS"]
+
+#: name -> (module, class, pip requirement that provides the dependency)
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "mpi": ("distopt.comm.mpi", "MPICommunicator", "mpi4py (and an MPI runtime: pip install 'distopt[mpich]')"),
+    "nccl": ("distopt.comm.nccl", "NcclCommunicator", "cupy and NCCL: pip install 'distopt[cuda12]' or 'distopt[cuda13]'"),
+    "shm": ("distopt.comm.shm", "ShmCommunicator", "nothing beyond numpy (Python >= 3.8)"),
+}
+
+
+def create(name: str, **kwargs: Any) -> Communicator:
+    """Build the communicator registered under ``name``.
+
+    Args:
+        name: a key of :data:`BACKENDS`.
+        **kwargs: passed to the backend's constructor.
+
+    Raises:
+        ValueError: unknown name.
+        BackendUnavailableError: the backend's dependency cannot be imported.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    module_name, class_name, requirement = BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"backend {name!r} is unavailable: {exc}. It needs {requirement}."
+        ) from exc
+    return getattr(module, class_name)(**kwargs)

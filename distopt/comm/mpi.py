@@ -1,0 +1,232 @@
+"""MPI backend on mpi4py: buffer (uppercase) calls only, every wait bounded.
+
+Each collective is issued non-blocking (``Iallreduce``, ``Ibcast``, ...) and
+tested against a deadline, so a rank that never arrives turns into a
+:class:`~distopt.errors.CollectiveTimeoutError` instead of a hang. Before the
+data moves, the ranks exchange a 4-integer descriptor (collective kind,
+sequence number, element count, dtype/op code) with one tiny ``Iallgather``;
+a difference raises :class:`~distopt.errors.CollectiveMismatchError` on every
+rank (shared case H03) instead of a partial or garbled result.
+
+float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
+(``MPI.UINT16_T``, 2 bytes per element on the wire) and are reduced by a
+user-defined MPI operation that sums in float32 and rounds back once per
+pairwise combination.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, DistOptError
+from .base import REDUCE_OPS, check_reduce_args, default_timeout
+
+__all__ = ["MPICommunicator"]
+
+_MPI_TYPES: dict[np.dtype, Any] = {
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.int8): MPI.INT8_T,
+    np.dtype(np.int16): MPI.INT16_T,
+    np.dtype(np.int32): MPI.INT32_T,
+    np.dtype(np.int64): MPI.INT64_T,
+    np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.bool_): MPI.C_BOOL,
+}
+_NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+_KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
+
+
+def _half_dtypes() -> list[np.dtype]:
+    out = [np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+    except ImportError:
+        return out
+    return out + [np.dtype(ml_dtypes.bfloat16)]
+
+
+def _make_half_op(dtype: np.dtype, ufunc: Callable) -> Any:
+    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
+        a = np.frombuffer(inbuf, dtype=dtype)
+        b = np.frombuffer(inoutbuf, dtype=dtype)
+        # accumulate in float32: float16 + float16 rounds once, not twice
+        b[...] = ufunc(a.astype(np.float32), b.astype(np.float32)).astype(dtype)
+
+    return MPI.Op.Create(combine, commute=True)
+
+
+_HALF_OPS: dict[tuple[np.dtype, str], Any] = {}
+
+
+def _half_op(dtype: np.dtype, op: str) -> Any:
+    """The user-defined op for a 16-bit float dtype, created once per process (MPI limits their number)."""
+    key = (dtype, op)
+    if key not in _HALF_OPS:
+        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+        _HALF_OPS[key] = _make_half_op(dtype, ufunc)
+    return _HALF_OPS[key]
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
+
+
+class MPICommunicator:
+    """Collectives over an MPI communicator (CPU NumPy arrays).
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; default ``MPI.COMM_WORLD``. It is
+            duplicated, so distopt's traffic never matches the caller's.
+        timeout: deadline of one collective in seconds; default
+            ``DISTOPT_TIMEOUT`` from the environment, else 300.
+
+    Raises:
+        TypeError: an array that is not a NumPy array (CuPy arrays need the
+            NCCL backend), or a dtype MPI cannot reduce.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
+        self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.rank: int = self._comm.Get_rank()
+        self.size: int = self._comm.Get_size()
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self._seq = 0
+        self._broken: str | None = None
+
+    @property
+    def raw(self) -> Any:
+        """The underlying (duplicated) ``mpi4py.MPI.Comm``."""
+        return self._comm
+
+    # ------------------------------------------------------------------ helpers
+    def _wait(self, request: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        delay = 0.0
+        while not request.Test():
+            spins += 1
+            if spins < 2000:
+                continue
+            if time.monotonic() > deadline:
+                self._broken = what
+                raise CollectiveTimeoutError(
+                    f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
+                    "another rank never reached it (it died, is stuck, or ran a different number "
+                    "of steps); the communicator is unusable now"
+                )
+            time.sleep(delay)
+            delay = min(1e-3, delay * 2 + 1e-5)
+
+    def _agree(self, kind: str, count: int, code: int) -> str:
+        """Exchange (kind, seq, count, code); raise on every rank if ranks differ."""
+        if self._broken is not None:
+            raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
+        self._seq += 1
+        what = f"{kind} #{self._seq}"
+        mine = np.array([_KINDS.index(kind), self._seq, count, code], dtype=np.int64)
+        everyone = np.empty((self.size, 4), dtype=np.int64)
+        self._wait(self._comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T]), what)
+        if (everyone == mine).all():
+            return what
+        first = next(r for r in range(self.size) if not (everyone[r] == everyone[0]).all())
+        a, b = everyone[0], everyone[first]
+        if a[0] != b[0] or a[1] != b[1]:
+            detail = (f"rank 0 is in {_KINDS[a[0]]} #{a[1]}, rank {first} in {_KINDS[b[0]]} #{b[1]} "
+                      "(ranks reached different collectives or different step counts)")
+        elif a[2] != b[2]:
+            detail = f"element count differs: rank 0 has {a[2]}, rank {first} has {b[2]}"
+        else:
+            detail = "dtype or op differs between rank 0 and rank {first}".format(first=first)
+        raise CollectiveMismatchError(f"{what}: {detail}")
+
+    def _buffer(self, array: Any) -> tuple[Any, Any]:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(
+                f"the MPI backend takes NumPy arrays, got {type(array).__name__}; "
+                "use backend='nccl' for CuPy arrays"
+            )
+        if not array.flags.c_contiguous:
+            raise TypeError("array must be C-contiguous")
+        dt = array.dtype
+        if dt in _MPI_TYPES:
+            return array, _MPI_TYPES[dt]
+        if dt.itemsize == 2 and dt in _half_dtypes():
+            return array.view(np.uint16), MPI.UINT16_T
+        raise TypeError(f"dtype {dt} is not supported by the MPI backend")
+
+    # --------------------------------------------------------------- protocol
+    def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce ``array`` in place across ranks; see :class:`Communicator`.
+
+        Wire: ``array.nbytes`` per rank per direction of the MPI algorithm;
+        float16/bfloat16 travel as 2-byte words, summed in float32 pairwise.
+        """
+        check_reduce_args(array, op)
+        buf, mpi_type = self._buffer(array)
+        if array.dtype == np.bool_:
+            mpi_op = _BOOL_OPS[op]
+        elif mpi_type is MPI.UINT16_T and array.dtype != np.uint16:
+            mpi_op = _half_op(array.dtype, op)
+        else:
+            mpi_op = _NATIVE_OPS[op]
+        what = self._agree("all_reduce", array.size, _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op))
+        if array.size and self.size > 1:
+            self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op), what)
+        if op == "avg":
+            np.divide(array, self.size, out=array)
+        return array
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """Overwrite ``array`` with root's contents on every rank (in place)."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root must be in [0, {self.size}), got {root}")
+        buf, mpi_type = self._buffer(array)
+        what = self._agree("broadcast", array.size, _dtype_code(array.dtype) * 64 + root)
+        if array.size and self.size > 1:
+            self._wait(self._comm.Ibcast([buf, mpi_type], root=root), what)
+        return array
+
+    def all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
+        buf, mpi_type = self._buffer(array)
+        out = np.empty((self.size, *array.shape), dtype=array.dtype)
+        what = self._agree("all_gather", array.size, _dtype_code(array.dtype))
+        if array.size:
+            self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
+        return out
+
+    def all_gather_v(self, array: np.ndarray) -> list[np.ndarray]:
+        """Gather 1-D arrays of per-rank lengths (0 allowed); list of ``size`` arrays."""
+        if array.ndim != 1:
+            raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
+        buf, mpi_type = self._buffer(array)
+        what = self._agree("all_gather_v", 0, _dtype_code(array.dtype))
+        counts = np.empty(self.size, dtype=np.int64)
+        self._wait(self._comm.Iallgather([np.array([array.size], dtype=np.int64), MPI.INT64_T],
+                                         [counts, MPI.INT64_T]), what)
+        out = np.empty(int(counts.sum()), dtype=array.dtype)
+        if out.size:
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            recv = [self._buffer(out)[0], (counts.tolist(), displs.tolist()), mpi_type]
+            self._wait(self._comm.Iallgatherv([buf, mpi_type], recv), what)
+        return np.split(out, np.cumsum(counts)[:-1].tolist())
+
+    def barrier(self) -> None:
+        """Block until every rank arrives (bounded by the timeout)."""
+        what = self._agree("barrier", 0, 0)
+        self._wait(self._comm.Ibarrier(), what)
+
+    def close(self) -> None:
+        """Free the duplicated communicator (idempotent)."""
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()

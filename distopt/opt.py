@@ -1,0 +1,363 @@
+"""DistOpt: wrap a local optimizer so every step averages gradients across ranks.
+
+Data flow of one dense step (SINGA's ``backward_and_update``, the fusion of
+ChainerMN's ``pure_nccl`` communicator and Horovod's tensor fusion):
+
+1. gradients arrive (``loss.backward()`` or explicit arrays);
+2. they are packed into flat buckets (:mod:`distopt.buckets`) in the
+   parameter order every rank shares, a missing gradient packed as zeros;
+3. each bucket is all-reduced and divided by the world size exactly once;
+4. the averaged gradients are unpacked and the local optimizer updates.
+
+Before the first step, and whenever the parameter list changes, every rank
+checks that all ranks hold the same parameter shapes and dtypes in the same
+order (an error naming the first difference otherwise, shared case H03), and
+rank 0's parameters are broadcast (never averaged: averaging independent
+random inits shrinks them; shared case H20).
+"""
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ._array import xp_of
+from .buckets import Bucket, plan_buckets
+from .comm.base import Communicator
+from .errors import CollectiveMismatchError
+from .metrics import reduce_metrics
+from .world import build_world
+
+__all__ = ["DistOpt"]
+
+DEFAULT_THRESHOLD = 2097152  # elements
+
+
+def _is_float(array: Any) -> bool:
+    return np.dtype(array.dtype).kind == "f" or str(array.dtype) == "bfloat16"
+
+
+def _describe(spec: Sequence[Any] | None) -> str:
+    return "no parameter" if spec is None else f"shape {tuple(spec[0])} dtype {spec[1]}"
+
+
+class _ArrayOptimizer:
+    """Local optimizer on arrays: anything with ``update(param, grad)``."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def apply(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        for p, g in zip(params, grads):
+            if g is not None:
+                self.opt.update(p, g)
+
+    def state_dict(self) -> Any:
+        return self.opt.state_dict() if hasattr(self.opt, "state_dict") else None
+
+    def load_state_dict(self, state: Any) -> None:
+        if state is not None:
+            self.opt.load_state_dict(state)
+
+
+def _wrap_local(opt: Any) -> Any:
+    from . import torch as torch_adapter
+
+    if torch_adapter.is_torch_optimizer(opt):
+        return torch_adapter.TorchOptimizer(opt)
+    if callable(getattr(opt, "update", None)):
+        return _ArrayOptimizer(opt)
+    raise TypeError(
+        f"opt must be distopt.SGD, an object with update(param, grad), or a torch.optim.Optimizer; "
+        f"got {type(opt).__name__}"
+    )
+
+
+class DistOpt:
+    """Data-parallel wrapper around a local optimizer.
+
+    Args:
+        opt: the local optimizer: :class:`distopt.SGD`, any object with
+            ``update(param, grad)`` (arrays updated in place), or a
+            ``torch.optim.Optimizer`` (its parameters are broadcast from rank
+            0 here, at construction).
+        nccl_id: the job's :class:`~distopt.nccl_id.NcclIdHolder` in the
+            multiprocessing launch mode; None under ``mpiexec``.
+        gpu_num: this process's device number on its node (rank in the
+            multiprocessing mode).
+        gpu_per_node: processes per node (world size in the multiprocessing
+            mode).
+        buffSize: capacity of one fusion buffer in ELEMENTS (default
+            4194304, i.e. 16 MiB of float32).
+        backend: force ``"mpi"``, ``"shm"`` or ``"nccl"`` (see
+            :func:`distopt.world.build_world` for the default rule).
+        comm: an existing communicator to use instead of building one.
+        timeout: collective deadline in seconds (default
+            ``$DISTOPT_TIMEOUT`` or 300).
+
+    Attributes:
+        rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
+        rank_in_local / local_rank: its rank among the processes of its node.
+        world_size: number of processes.
+        stats: counters: ``steps``, ``wire_bytes`` (bytes this rank handed to
+            the all-reduce, all steps) and ``dense_bytes`` (what a dense fp
+            all-reduce of the same gradients would hand over).
+
+    Raises:
+        TypeError: ``opt`` is none of the supported kinds.
+        ValueError: ``buffSize < 1`` or inconsistent rank arguments.
+    """
+
+    def __init__(self, opt: Any, nccl_id: Any = None, gpu_num: int | None = None,
+                 gpu_per_node: int | None = None, buffSize: int = 4194304, *,
+                 backend: str | None = None, comm: Communicator | None = None,
+                 timeout: float | None = None) -> None:
+        if buffSize < 1:
+            raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
+        self.local = _wrap_local(opt)
+        self.opt = opt
+        self.buff_size = int(buffSize)
+        if comm is None:
+            comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
+            self.rank_in_local = info.local_rank
+            self.local_size = info.local_size
+        else:
+            self.rank_in_local = comm.rank if gpu_num is None else gpu_num
+            self.local_size = comm.size if gpu_per_node is None else gpu_per_node
+        self.comm = comm
+        self.rank_in_global = comm.rank
+        self.world_size = comm.size
+        self.stats: dict[str, int] = {"steps": 0, "wire_bytes": 0, "dense_bytes": 0}
+        self._layout_key: Any = None
+        self._buckets: list[Bucket] = []
+        self._buffers: list[Any] = []
+        if hasattr(self.local, "params"):
+            self.sync_params(self.local.arrays())
+
+    # ------------------------------------------------------------- names
+    @property
+    def local_rank(self) -> int:
+        """Rank among the processes of this node (alias of ``rank_in_local``)."""
+        return self.rank_in_local
+
+    @property
+    def global_rank(self) -> int:
+        """Rank in the job (alias of ``rank_in_global``)."""
+        return self.rank_in_global
+
+    # ----------------------------------------------------- raw collectives
+    def all_reduce(self, array: Any, op: str = "sum") -> Any:
+        """In-place all-reduce of one array (sum by default); see :class:`Communicator`."""
+        return self.comm.all_reduce(array, op=op)
+
+    def broadcast(self, array: Any, root: int = 0) -> Any:
+        """In-place broadcast of one array from ``root``."""
+        return self.comm.broadcast(array, root=root)
+
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, float]:
+        """Sum scalar metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
+        return reduce_metrics(self.comm, metrics, mean)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Send a picklable object from ``root`` to every rank; returns it on every rank.
+
+        The pickle travels as a uint8 buffer after its length (an int64), so
+        the data path stays a buffer collective.
+        """
+        payload = pickle.dumps(obj) if self.rank_in_global == root else b""
+        length = np.array([len(payload)], dtype=np.int64)
+        self.comm.broadcast(length, root=root)
+        buf = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(int(length[0]), np.uint8)
+        self.comm.broadcast(buf, root=root)
+        return obj if self.rank_in_global == root else pickle.loads(buf.tobytes())
+
+    # ------------------------------------------------------ parameter sync
+    def _check_same(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
+        """Compare parameter specs and settings across ranks; raise on every rank on a difference."""
+        mine = {"params": [[list(p.shape), str(p.dtype)] for p in params], **settings}
+        blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), dtype=np.uint8)
+        everyone = [json.loads(b.tobytes()) for b in self.comm.all_gather_v(blob.copy())]
+        ref = everyone[0]
+        for r, other in enumerate(everyone[1:], start=1):
+            if other == ref:
+                continue
+            for key in sorted(set(ref) | set(other)):
+                if key != "params" and ref.get(key) != other.get(key):
+                    raise CollectiveMismatchError(
+                        f"setting {key!r} differs: rank 0 has {ref.get(key)!r}, rank {r} has {other.get(key)!r}")
+            a, b = ref["params"], other["params"]
+            for i in range(max(len(a), len(b))):
+                sa = a[i] if i < len(a) else None
+                sb = b[i] if i < len(b) else None
+                if sa != sb:
+                    raise CollectiveMismatchError(
+                        f"parameter #{i} differs across ranks: rank 0 has {_describe(sa)}, rank {r} has "
+                        f"{_describe(sb)} (rank 0 holds {len(a)} parameters, rank {r} holds {len(b)}); every "
+                        "rank must build the same model and pass its parameters in the same order")
+
+    def sync_params(self, params: Sequence[Any]) -> None:
+        """Check that all ranks hold the same parameters, then broadcast rank 0's values.
+
+        Call it once before the first forward pass for array models (the
+        PyTorch adapter does it in the constructor; a step whose parameter
+        list changed does it again, so parameters added later are broadcast
+        when they first appear). Integer and boolean arrays (counters,
+        masks) are broadcast too; a step never reduces or updates them.
+
+        Args:
+            params: arrays (NumPy or CuPy), modified in place on ranks != 0.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming the first
+                parameter whose shape or dtype differs, or a count difference.
+        """
+        self._sync(list(params), {"world_size": self.world_size})
+
+    def _sync(self, params: list[Any], settings: Mapping[str, Any]) -> None:
+        self._check_same(params, settings)
+        for bucket in plan_buckets([(p.shape, p.dtype) for p in params], DEFAULT_THRESHOLD, self.buff_size):
+            flat, viewed = self._pack(bucket, params)
+            self.comm.broadcast(flat, root=0)
+            if not viewed:
+                self._unpack(bucket, flat, params)
+
+    # ------------------------------------------------------ pack / unpack
+    @staticmethod
+    def _pack(bucket: Bucket, arrays: Sequence[Any], buffer: Any = None) -> tuple[Any, bool]:
+        """Return ``(flat, viewed)``: a flat view of a lone contiguous array (viewed=True)
+        or a packed copy of the bucket's arrays in ``buffer`` (None packs as zeros)."""
+        if bucket.alone:
+            a = arrays[bucket.slots[0].index]
+            if a is not None and a.flags.c_contiguous:
+                return a.reshape(-1), True
+        if buffer is None:
+            ref = next((arrays[s.index] for s in bucket.slots if arrays[s.index] is not None), None)
+            buffer = (np if ref is None else xp_of(ref)).empty(bucket.size, dtype=bucket.dtype)
+        for s in bucket.slots:
+            a = arrays[s.index]
+            if a is None:
+                buffer[s.offset:s.offset + s.size] = 0
+            else:
+                buffer[s.offset:s.offset + s.size] = a.reshape(-1)
+        return buffer, False
+
+    @staticmethod
+    def _unpack(bucket: Bucket, flat: Any, arrays: list[Any]) -> None:
+        """Write ``flat`` back into ``arrays``; a None entry gets a new array."""
+        for s in bucket.slots:
+            part = flat[s.offset:s.offset + s.size].reshape(s.shape)
+            if arrays[s.index] is None:
+                arrays[s.index] = part.copy()
+            else:
+                arrays[s.index][...] = part
+
+    def _layout(self, params: list[Any], threshold: int, strategy: str) -> list[Bucket]:
+        """Bucket plan for ``params``; on a change, check ranks agree and re-broadcast parameters."""
+        key = (tuple((p.shape, str(p.dtype)) for p in params), threshold, strategy)
+        if key != self._layout_key:
+            settings = {"world_size": self.world_size, "strategy": strategy, "threshold": threshold,
+                        "buffSize": self.buff_size}
+            self._sync(params, settings)
+            self._buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size)
+            self._buffers = [None] * len(self._buckets)
+            self._layout_key = key
+        return self._buckets
+
+    # --------------------------------------------------------------- steps
+    def _average_dense(self, params: list[Any], grads: list[Any], threshold: int) -> list[bool]:
+        """All-reduce ``grads`` (in place where given) to their cross-rank average.
+
+        Returns, per parameter, whether any rank had a gradient for it.
+        A missing gradient counts as zero and the sum is divided by the world
+        size (shared case H05); a parameter with no gradient on any rank is
+        reported as absent and not updated. Integer/boolean parameters are
+        never reduced (shared case H09).
+        """
+        buckets = self._layout(params, threshold, "dense")
+        trainable = [_is_float(p) for p in params]
+        present = np.array([g is not None and t for g, t in zip(grads, trainable)], dtype=np.int32)
+        self.comm.all_reduce(present, op="sum")
+        for i, bucket in enumerate(buckets):
+            if not trainable[bucket.slots[0].index]:
+                continue
+            flat, viewed = self._pack(bucket, grads, self._buffers[i])
+            if not viewed:
+                self._buffers[i] = flat
+            self.comm.all_reduce(flat, op="avg")
+            if not viewed:
+                self._unpack(bucket, flat, grads)
+            self.stats["wire_bytes"] += flat.nbytes
+            self.stats["dense_bytes"] += flat.nbytes
+        self.stats["steps"] += 1
+        return [bool(c) for c in present]
+
+    def step(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD) -> None:
+        """Average ``grads`` across ranks with a fused all-reduce, then update ``params``.
+
+        Args:
+            params: arrays (NumPy or CuPy) in the same order on every rank.
+            grads: one gradient per parameter (same shape), or None for a
+                parameter without a gradient this step. Given arrays are
+                overwritten with the average.
+            threshold: parameters with more than this many ELEMENTS are
+                all-reduced alone, smaller ones fused.
+
+        Raises:
+            ValueError: ``params`` and ``grads`` differ in length or shape.
+            CollectiveMismatchError / CollectiveTimeoutError: from the ranks'
+                agreement checks; no parameter is changed then.
+        """
+        params = list(params)
+        grads = list(grads)
+        if len(params) != len(grads):
+            raise ValueError(f"got {len(params)} params but {len(grads)} grads")
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is not None and g.shape != p.shape:
+                raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has shape {p.shape}")
+        present = self._average_dense(params, grads, threshold)
+        self.local.apply(params, [g if ok else None for g, ok in zip(grads, present)])
+
+    def backward_and_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD) -> None:
+        """Backward pass, fused all-reduce of the gradients, local update.
+
+        Args:
+            loss: for a PyTorch optimizer, the loss tensor (``loss.backward()``
+                is called, then ``.grad`` is averaged in place and
+                ``optimizer.step()`` runs). For array models, any object whose
+                ``backward()`` yields ``(param, grad)`` pairs in a fixed order.
+            threshold: see :meth:`step` (elements).
+        """
+        if hasattr(self.local, "params"):
+            loss.backward()
+            params = self.local.arrays()
+            grads = self.local.grads()
+            present = self._average_dense(params, grads, threshold)
+            self.local.apply(grads, present)
+            return
+        params, grads = _pairs(loss.backward())
+        self.step(params, grads, threshold)
+
+    # --------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: the local optimizer's state and the counters."""
+        return {"local": self.local.state_dict(), "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.local.load_state_dict(state["local"])
+        self.stats = dict(state["stats"])
+
+    def close(self) -> None:
+        """Release the communicator."""
+        self.comm.close()
+
+
+def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
+    params: list[Any] = []
+    grads: list[Any] = []
+    for p, g in pairs:
+        params.append(p)
+        grads.append(g)
+    return params, grads

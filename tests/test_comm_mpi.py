@@ -1,0 +1,11 @@
+"""The MPI communicator suite under real mpiexec jobs of 1, 2 and 4 ranks."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_mpi_suite
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_mpi_conformance(n):
+    run_mpi_suite("mpi_comm.py", n)

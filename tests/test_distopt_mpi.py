@@ -1,0 +1,11 @@
+"""DistOpt under real mpiexec jobs of 1, 2 and 4 ranks."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_mpi_suite
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_distopt_dense(n):
+    run_mpi_suite("mpi_distopt.py", n)

@@ -82,8 +82,9 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
         elif backend == "nccl":
             from .comm.nccl import unique_id_from_mpi
 
-            comm = _comm.create("nccl", rank=info.global_rank, size=info.world_size,
-                                unique_id=unique_id_from_mpi(mpi),
+            unique_id = unique_id_from_mpi(mpi)
+            mpi.close()
+            comm = _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=unique_id,
                                 device=ranks.device_index(info.local_rank, os.environ, local_size=info.local_size),
                                 timeout=timeout)
         else:

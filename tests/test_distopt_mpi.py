@@ -9,3 +9,9 @@ from tests.harness import run_mpi_suite
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_distopt_dense(n):
     run_mpi_suite("mpi_distopt.py", n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_torch_adapter(n):
+    pytest.importorskip("torch")
+    run_mpi_suite("mpi_torch.py", n)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from .buckets import Bucket, plan_buckets
 from .comm.base import Communicator
 from .errors import CollectiveMismatchError
 from .metrics import reduce_metrics
+from .strategies import ChunkCursor, Residuals, average_half, average_sparse
 from .world import build_world
 
 __all__ = ["DistOpt"]
@@ -49,10 +50,16 @@ class _ArrayOptimizer:
     def __init__(self, opt: Any) -> None:
         self.opt = opt
 
-    def apply(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
-        for p, g in zip(params, grads):
-            if g is not None:
+    def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:
+        for p, g, ok in zip(params, grads, present):
+            if ok and g is not None:
                 self.opt.update(p, g)
+
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:
+        if not callable(getattr(self.opt, "momentum_buffer", None)):
+            raise ValueError(f"average_momentum=True needs an optimizer with momentum_buffer(param); "
+                             f"{type(self.opt).__name__} has none")
+        return [self.opt.momentum_buffer(p) for p in params]
 
     def state_dict(self) -> Any:
         return self.opt.state_dict() if hasattr(self.opt, "state_dict") else None
@@ -102,8 +109,11 @@ class DistOpt:
         rank_in_local / local_rank: its rank among the processes of its node.
         world_size: number of processes.
         stats: counters: ``steps``, ``wire_bytes`` (bytes this rank handed to
-            the all-reduce, all steps) and ``dense_bytes`` (what a dense fp
-            all-reduce of the same gradients would hand over).
+            the collectives, all steps), ``dense_bytes`` (what a dense
+            all-reduce of the same gradients would hand over) and, for the
+            sparse strategy, ``sparse_dense_fallbacks``.
+        residuals: error-feedback memory of the sparse strategy (per rank).
+        cursor: the partial-update chunk cursor (same on every rank).
 
     Raises:
         TypeError: ``opt`` is none of the supported kinds.
@@ -130,10 +140,13 @@ class DistOpt:
         self.rank_in_global = comm.rank
         self.world_size = comm.size
         self.stats: dict[str, int] = {"steps": 0, "wire_bytes": 0, "dense_bytes": 0}
-        self._layout_key: Any = None
-        self._buckets: list[Bucket] = []
-        self._buffers: list[Any] = []
-        if hasattr(self.local, "params"):
+        self._specs: Any = None
+        self._settings: Any = None
+        self._plans: dict[int, list[Bucket]] = {}
+        self._buffers: dict[tuple[int, int], Any] = {}
+        self.residuals = Residuals()
+        self.cursor = ChunkCursor()
+        if hasattr(self.local, "arrays"):
             self.sync_params(self.local.arrays())
 
     # ------------------------------------------------------------- names
@@ -253,45 +266,60 @@ class DistOpt:
             else:
                 arrays[s.index][...] = part
 
-    def _layout(self, params: list[Any], threshold: int, strategy: str) -> list[Bucket]:
-        """Bucket plan for ``params``; on a change, check ranks agree and re-broadcast parameters."""
-        key = (tuple((p.shape, str(p.dtype)) for p in params), threshold, strategy)
-        if key != self._layout_key:
-            settings = {"world_size": self.world_size, "strategy": strategy, "threshold": threshold,
-                        "buffSize": self.buff_size}
+    def _layout(self, params: list[Any], threshold: int, settings: Mapping[str, Any]) -> list[Bucket]:
+        """Bucket plan for ``params`` at ``threshold``.
+
+        When the parameter list changed (first step, a parameter added) the
+        ranks check they agree and rank 0's values are broadcast; when only
+        the strategy settings changed, the ranks check they agree on them.
+        """
+        specs = tuple((p.shape, str(p.dtype)) for p in params)
+        settings = {"world_size": self.world_size, "buffSize": self.buff_size, "threshold": threshold, **settings}
+        if specs != self._specs:
             self._sync(params, settings)
-            self._buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size)
-            self._buffers = [None] * len(self._buckets)
-            self._layout_key = key
-        return self._buckets
+            self._specs, self._settings, self._plans = specs, settings, {}
+        elif settings != self._settings:
+            self._check_same(params, settings)
+            self._settings = settings
+        if threshold not in self._plans:
+            self._plans[threshold] = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size)
+        return self._plans[threshold]
 
     # --------------------------------------------------------------- steps
-    def _average_dense(self, params: list[Any], grads: list[Any], threshold: int) -> list[bool]:
-        """All-reduce ``grads`` (in place where given) to their cross-rank average.
+    def _average(self, params: list[Any], grads: list[Any], threshold: int, settings: Mapping[str, Any],
+                 reduce_bucket: Callable[[int, Any], int]) -> list[bool]:
+        """Average ``grads`` across ranks bucket by bucket; given arrays are overwritten.
 
-        Returns, per parameter, whether any rank had a gradient for it.
-        A missing gradient counts as zero and the sum is divided by the world
-        size (shared case H05); a parameter with no gradient on any rank is
-        reported as absent and not updated. Integer/boolean parameters are
-        never reduced (shared case H09).
+        ``reduce_bucket(i, flat)`` averages bucket ``i``'s flat buffer in
+        place and returns the bytes it handed to the collectives. A missing
+        gradient counts as zero and the sum is divided by the world size
+        (shared case H05); a parameter with no gradient on any rank is
+        reported absent and not updated; integer/boolean parameters are
+        never reduced (H09). Returns, per parameter, whether to update it.
         """
-        buckets = self._layout(params, threshold, "dense")
+        buckets = self._layout(params, threshold, settings)
         trainable = [_is_float(p) for p in params]
         present = np.array([g is not None and t for g, t in zip(grads, trainable)], dtype=np.int32)
         self.comm.all_reduce(present, op="sum")
         for i, bucket in enumerate(buckets):
             if not trainable[bucket.slots[0].index]:
                 continue
-            flat, viewed = self._pack(bucket, grads, self._buffers[i])
+            flat, viewed = self._pack(bucket, grads, self._buffers.get((threshold, i)))
             if not viewed:
-                self._buffers[i] = flat
-            self.comm.all_reduce(flat, op="avg")
+                self._buffers[(threshold, i)] = flat
+            self.stats["wire_bytes"] += reduce_bucket(i, flat)
+            self.stats["dense_bytes"] += int(flat.nbytes)
             if not viewed:
                 self._unpack(bucket, flat, grads)
-            self.stats["wire_bytes"] += flat.nbytes
-            self.stats["dense_bytes"] += flat.nbytes
         self.stats["steps"] += 1
         return [bool(c) for c in present]
+
+    def _dense(self, i: int, flat: Any) -> int:  # noqa: ARG002
+        self.comm.all_reduce(flat, op="avg")
+        return int(flat.nbytes)
+
+    def _apply(self, params: list[Any], grads: list[Any], present: list[bool]) -> None:
+        self.local.apply(params, grads, present)
 
     def step(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD) -> None:
         """Average ``grads`` across ranks with a fused all-reduce, then update ``params``.
@@ -302,56 +330,186 @@ class DistOpt:
                 parameter without a gradient this step. Given arrays are
                 overwritten with the average.
             threshold: parameters with more than this many ELEMENTS are
-                all-reduced alone, smaller ones fused.
+                all-reduced alone, smaller ones fused into buffers of
+                ``buffSize`` elements.
 
         Raises:
             ValueError: ``params`` and ``grads`` differ in length or shape.
             CollectiveMismatchError / CollectiveTimeoutError: from the ranks'
                 agreement checks; no parameter is changed then.
         """
-        params = list(params)
-        grads = list(grads)
-        if len(params) != len(grads):
-            raise ValueError(f"got {len(params)} params but {len(grads)} grads")
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if g is not None and g.shape != p.shape:
-                raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has shape {p.shape}")
-        present = self._average_dense(params, grads, threshold)
-        self.local.apply(params, [g if ok else None for g, ok in zip(grads, present)])
+        params, grads = _checked(params, grads)
+        self._apply(params, grads, self._average(params, grads, threshold, {"strategy": "plain"}, self._dense))
+
+    def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+                  clipping: bool = False, clip_Value: float = 100.0, *, wire: str = "float16",
+                  predivide: float | None = None) -> None:
+        """Like :meth:`step`, but gradients travel as 16-bit floats.
+
+        See :func:`distopt.strategies.average_half` for the scaling rule
+        (``predivide``: default world size, no overflow; 1 keeps tiny
+        gradients, may overflow) and what goes on the wire (2 bytes per
+        element).
+
+        Args:
+            clipping: clip gradient elements to ``[-clip_Value, clip_Value]``
+                before the cast (as the seed's DistOpt).
+            wire: ``"float16"`` or ``"bfloat16"`` (NumPy: needs ml_dtypes).
+        """
+        params, grads = _checked(params, grads)
+        clip = clip_Value if clipping else None
+        settings = {"strategy": "half", "wire": wire, "predivide": predivide, "clip": clip}
+        reduce_bucket = lambda i, flat: average_half(self.comm, flat, wire=wire, predivide=predivide,  # noqa: E731
+                                                     clip_value=clip)
+        self._apply(params, grads, self._average(params, grads, threshold, settings, reduce_bucket))
+
+    def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+                    spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
+        """Like :meth:`step`, but each bucket is sparsified before the exchange.
+
+        Args:
+            spars: with ``topK=True`` the fraction of each bucket's elements
+                sent, in (0, 1]; else the magnitude threshold (>= 0).
+            topK: top-K selection (exactly k per rank) or threshold selection.
+            corr: error feedback: keep what was not sent as a per-bucket
+                residual added to the next step's gradient.
+
+        Raises:
+            ValueError: ``spars`` out of range, raised on every rank before
+                any communication.
+        """
+        if topK and not 0 < spars <= 1:
+            raise ValueError(f"spars must be in (0, 1] with topK=True (the fraction of elements kept), got {spars}")
+        if not topK and not spars >= 0:
+            raise ValueError(f"spars must be >= 0 with topK=False (a magnitude threshold), got {spars}")
+        params, grads = _checked(params, grads)
+        settings = {"strategy": "sparse", "spars": spars, "topK": topK, "corr": corr}
+
+        def reduce_bucket(i: int, flat: Any) -> int:
+            residual = self.residuals.get((threshold, i), flat) if corr else None
+            return average_sparse(self.comm, flat, spars=spars, topK=topK, residual=residual, stats=self.stats)
+
+        self._apply(params, grads, self._average(params, grads, threshold, settings, reduce_bucket))
+
+    def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+                     average_momentum: bool = False) -> None:
+        """Local update with this rank's own gradients, then average one chunk of parameters.
+
+        Parameters are cut into chunks by the threshold rule (a parameter of
+        more than ``threshold`` elements is its own chunk, smaller ones are
+        fused up to ``threshold`` elements) in the shared order; each call
+        averages the chunk under :attr:`cursor` and advances it, so after K
+        calls all K chunks have been averaged once.
+
+        Args:
+            average_momentum: also average the chunk's momentum buffers.
+                Default False, as in SINGA: it doubles the bytes per step,
+                and the buffers are driven by gradients of parameters that
+                are themselves kept close by the averaging.
+
+        Raises:
+            ValueError: ``average_momentum=True`` with an optimizer that
+                exposes no momentum buffers.
+        """
+        params, grads = _checked(params, grads)
+        settings = {"strategy": "partial", "average_momentum": average_momentum}
+        self._layout(params, threshold, settings)
+        self._apply(params, grads, [g is not None and _is_float(p) for p, g in zip(params, grads)])
+        trainable = [i for i, p in enumerate(params) if _is_float(p)]
+        chunks = plan_buckets([(params[i].shape, params[i].dtype) for i in trainable], threshold, max(threshold, 1))
+        chunk = chunks[self.cursor.take(len(chunks))] if chunks else None
+        self.stats["steps"] += 1
+        if chunk is None:
+            return
+        groups = [[params[i] for i in trainable]]
+        if average_momentum:
+            momenta = self.local.momentum_arrays([params[i] for i in trainable])
+            if any(momenta[s.index] is None for s in chunk.slots):
+                raise ValueError("average_momentum=True but a parameter of this chunk has no momentum buffer yet")
+            groups.append(momenta)
+        for arrays in groups:
+            flat, viewed = self._pack(chunk, arrays)
+            self.comm.all_reduce(flat, op="avg")
+            if not viewed:
+                self._unpack(chunk, flat, arrays)
+            self.stats["wire_bytes"] += int(flat.nbytes)
+        self.stats["dense_bytes"] += sum(int(params[i].nbytes) for i in trainable)
+
+    def average_params(self, params: Sequence[Any] | None = None) -> None:
+        """Average all (float) parameters across ranks at once, in place.
+
+        The seed's examples do this before evaluation after partial updates.
+        ``params`` may be omitted with a PyTorch optimizer.
+        """
+        params = self.local.arrays() if params is None else list(params)
+        floats = [p for p in params if _is_float(p)]
+        for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.buff_size):
+            flat, viewed = self._pack(bucket, floats)
+            self.comm.all_reduce(flat, op="avg")
+            if not viewed:
+                self._unpack(bucket, flat, floats)
+
+    # --------------------------------------------------- backward + update
+    def _backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
+        if hasattr(self.local, "arrays"):
+            loss.backward()
+            return self.local.arrays(), self.local.grads()
+        return _pairs(loss.backward())
 
     def backward_and_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD) -> None:
-        """Backward pass, fused all-reduce of the gradients, local update.
+        """Backward pass, fused all-reduce of the gradients, local update (see :meth:`step`).
 
         Args:
             loss: for a PyTorch optimizer, the loss tensor (``loss.backward()``
-                is called, then ``.grad`` is averaged in place and
-                ``optimizer.step()`` runs). For array models, any object whose
-                ``backward()`` yields ``(param, grad)`` pairs in a fixed order.
+                runs, ``.grad`` is averaged in place, ``optimizer.step()``
+                runs). For array models, any object whose ``backward()``
+                yields ``(param, grad)`` pairs in a fixed order.
             threshold: see :meth:`step` (elements).
         """
-        if hasattr(self.local, "params"):
-            loss.backward()
-            params = self.local.arrays()
-            grads = self.local.grads()
-            present = self._average_dense(params, grads, threshold)
-            self.local.apply(grads, present)
-            return
-        params, grads = _pairs(loss.backward())
-        self.step(params, grads, threshold)
+        self.step(*self._backward(loss), threshold)
+
+    def backward_and_update_half(self, loss: Any, threshold: int = DEFAULT_THRESHOLD, clipping: bool = False,
+                                 clip_Value: float = 100.0, *, wire: str = "float16",
+                                 predivide: float | None = None) -> None:
+        """Backward pass, then :meth:`step_half`."""
+        self.step_half(*self._backward(loss), threshold, clipping, clip_Value, wire=wire, predivide=predivide)
+
+    def backward_and_partial_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD,
+                                    average_momentum: bool = False) -> None:
+        """Backward pass, then :meth:`step_partial`."""
+        self.step_partial(*self._backward(loss), threshold, average_momentum)
+
+    def backward_and_sparse_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD, spars: float = 0.05,
+                                   topK: bool = False, corr: bool = True) -> None:
+        """Backward pass, then :meth:`step_sparse`."""
+        self.step_sparse(*self._backward(loss), threshold, spars, topK, corr)
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: the local optimizer's state and the counters."""
-        return {"local": self.local.state_dict(), "stats": dict(self.stats)}
+        return {"local": self.local.state_dict(), "stats": dict(self.stats),
+                "residuals": self.residuals.state_dict(), "cursor": self.cursor.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.local.load_state_dict(state["local"])
         self.stats = dict(state["stats"])
+        self.residuals.load_state_dict(state["residuals"])
+        self.cursor.load_state_dict(state["cursor"])
 
     def close(self) -> None:
         """Release the communicator."""
         self.comm.close()
+
+
+def _checked(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    params, grads = list(params), list(grads)
+    if len(params) != len(grads):
+        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is not None and g.shape != p.shape:
+            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has shape {p.shape}")
+    return params, grads
 
 
 def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:

@@ -55,10 +55,12 @@ class TorchOptimizer:
         """Array views of ``param.grad`` (None where a parameter has no gradient)."""
         return [None if p.grad is None else as_array(p.grad) for p in self.params()]
 
-    def apply(self, grads: Sequence[Any], present: Sequence[bool]) -> None:
+    def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:  # noqa: ARG002
         """Install the averaged gradients and run ``optimizer.step()``.
 
         Args:
+            params: ignored (the optimizer knows its tensors); kept for the
+                common local-optimizer interface.
             grads: averaged gradient arrays (those that were views of
                 ``.grad`` already hold the average; new ones are installed).
             present: False where no rank had a gradient: ``.grad`` is set to
@@ -72,6 +74,14 @@ class TorchOptimizer:
             elif p.grad is None:
                 p.grad = torch.from_dlpack(g) if not hasattr(g, "__array_interface__") else torch.from_numpy(g)
         self.optimizer.step()
+
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:  # noqa: ARG002
+        """Views of each parameter's ``momentum_buffer`` state (None where absent)."""
+        out = []
+        for p in self.params():
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            out.append(None if buf is None else as_array(buf))
+        return out
 
     def state_dict(self) -> Any:
         return self.optimizer.state_dict()

@@ -1,0 +1,133 @@
+"""Top-k sparsification: keep the ``k`` gradient entries of largest magnitude.
+
+Top-k selection as in Aji & Heafield, "Sparse Communication for Distributed
+Gradient Descent" (EMNLP 2017); the NumPy path finds candidates with a
+threshold estimated from a random sample, as in Deep Gradient Compression
+(Lin et al., ICLR 2018), then selects exactly ``k`` of them.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from ._xp import index_dtype, is_cupy, xp
+from .threshold import scan
+
+# Sampled-threshold parameters: |x| of _SAMPLE_SIZE positions drawn with a
+# fixed seed estimate the k-th largest magnitude. Arrays of at most
+# 2 * _SAMPLE_SIZE elements are selected exactly without sampling.
+_SAMPLE_SIZE = 100_000
+_SEED = 0x5EED
+
+
+def k_for(n: int, ratio: float) -> int:
+    """Number of entries to keep out of ``n`` for a sparsification ratio.
+
+    ``max(1, ceil(ratio * n))`` clamped to ``n``, and 0 for ``n = 0``. The
+    product is taken on the shortest decimal form of ``ratio``, so
+    ``k_for(100, 0.07)`` is 7 although ``0.07 * 100`` is ``7.000000000000001``
+    in binary floating point.
+
+    Args:
+        n: Number of elements, ``>= 0``.
+        ratio: Fraction of the elements to keep (``spars``), in ``(0, 1]``.
+
+    Returns:
+        ``k`` with ``0 <= k <= n`` (``k >= 1`` when ``n >= 1``).
+
+    Raises:
+        ValueError: If ``ratio`` is outside ``(0, 1]`` or ``n < 0``.
+    """
+    if not 0 < ratio <= 1:
+        raise ValueError(f"sparsification ratio spars must be in (0, 1], got {ratio!r}")
+    if n < 0:
+        raise ValueError(f"element count must be >= 0, got {n}")
+    if n == 0:
+        return 0
+    return min(n, max(1, math.ceil(Fraction(repr(float(ratio))) * n)))
+
+
+def topk_indices(x: Any, k: int) -> Any:
+    """Positions of the ``k`` entries of ``x`` with the largest magnitude ``|x|``.
+
+    Always exactly ``k`` positions, returned in ascending order. Among equal
+    magnitudes the lowest positions win, so ``|x| = [1, 1, 1, 1, 0.5]`` with
+    ``k = 2`` gives ``[0, 1]``. NaN ranks below every number (it is chosen
+    only when fewer than ``k`` entries are not NaN); ``inf`` ranks above.
+
+    NumPy arrays of ``n > 2 * _SAMPLE_SIZE`` elements with ``k`` below
+    about ``n / 2``: the ``r``-th largest ``|x|`` among ``_SAMPLE_SIZE``
+    positions drawn with a fixed seed, with ``r`` five standard deviations
+    above the expected ``k * _SAMPLE_SIZE / n``, is a threshold that at
+    least ``k`` entries pass with high probability; one blocked pass over
+    ``x`` collects those candidates and their magnitudes, and an exact
+    selection among them gives the result. When fewer than ``k`` pass (or
+    the sample's threshold is 0), the exact selection runs on all of ``x``,
+    so the result never depends on the sample. O(n) either way. CuPy
+    arrays use the exact selection on the device.
+
+    Args:
+        x: 1-D floating-point array (NumPy or CuPy) of ``n`` elements.
+        k: Number of entries to select, ``0 <= k <= n`` (see :func:`k_for`).
+
+    Returns:
+        ``k`` ascending element positions, int32 if ``n < 2**31`` else
+        int64, on the same device as ``x``.
+
+    Raises:
+        ValueError: If ``x`` is not 1-D or ``k`` is outside ``[0, n]``.
+        TypeError: If ``k`` is not an integer.
+    """
+    if x.ndim != 1:
+        raise ValueError(f"topk_indices needs a 1-D array, got shape {x.shape}")
+    n = x.size
+    k = operator.index(k)
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}], got {k}")
+    itype = index_dtype(n)
+    if k == 0:
+        return xp(x).empty(0, dtype=itype)
+    mean = k * _SAMPLE_SIZE / n
+    r = math.ceil(mean + 5 * math.sqrt(mean) + 4)
+    if is_cupy(x) or n <= 2 * _SAMPLE_SIZE or r > _SAMPLE_SIZE // 2:
+        return _exact(x, k).astype(itype, copy=False)
+    rng = np.random.default_rng(_SEED)
+    sample = _magnitude(x[rng.integers(0, n, _SAMPLE_SIZE)])
+    t = np.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r]
+    if t > 0:
+        candidates, magnitudes = scan(x, t)
+        if candidates.size >= k:
+            return candidates[_select(magnitudes, k)].astype(itype)
+    return _exact(x, k).astype(itype, copy=False)
+
+
+def _magnitude(x: Any) -> Any:
+    """``|x|`` with NaN replaced by -1, so that NaN ranks below every number."""
+    mod = xp(x)
+    a = mod.abs(x)
+    mod.copyto(a, -1, where=a != a)
+    return a
+
+
+def _exact(x: Any, k: int) -> Any:
+    """Ascending positions of the ``k`` largest ``|x|``, lowest positions first among ties."""
+    return _select(_magnitude(x), k)
+
+
+def _select(a: Any, k: int) -> Any:
+    """Ascending positions of the ``k >= 1`` largest entries of ``a`` (no NaN), lowest first among ties.
+
+    The k-th largest value ``v`` comes from a partition; every entry above
+    ``v`` is kept, and of the entries equal to ``v`` the first ones, up to
+    ``k`` in all.
+    """
+    mod = xp(a)
+    v = mod.partition(a, a.size - k)[a.size - k]
+    keep = a > v
+    need = k - int(mod.count_nonzero(keep))
+    keep[mod.flatnonzero(a == v)[:need]] = True
+    return mod.flatnonzero(keep)

@@ -111,7 +111,9 @@ class DistOpt:
         stats: counters: ``steps``, ``wire_bytes`` (bytes this rank handed to
             the collectives, all steps), ``dense_bytes`` (what a dense
             all-reduce of the same gradients would hand over) and, for the
-            sparse strategy, ``sparse_dense_fallbacks``.
+            sparse strategy, ``sparse_entries`` (entries selected by this
+            rank) and ``sparse_dense_fallbacks`` (buckets whose selection
+            travelled densely because that moved fewer bytes).
         residuals: error-feedback memory of the sparse strategy (per rank).
         cursor: the partial-update chunk cursor (same on every rank).
 
@@ -414,6 +416,8 @@ class DistOpt:
         params, grads = _checked(params, grads)
         settings = {"strategy": "partial", "average_momentum": average_momentum}
         self._layout(params, threshold, settings)
+        if average_momentum:
+            self.local.momentum_arrays(params)  # raises before any update if the optimizer has none
         self._apply(params, grads, [g is not None and _is_float(p) for p, g in zip(params, grads)])
         trainable = [i for i, p in enumerate(params) if _is_float(p)]
         chunks = plan_buckets([(params[i].shape, params[i].dtype) for i in trainable], threshold, max(threshold, 1))

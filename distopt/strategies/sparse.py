@@ -9,12 +9,14 @@ pairs from every rank, densify by ADDING duplicates, divide by world size.
 Every rank thus applies the identical update.
 
 When the sparse exchange would move at least as many bytes as a dense
-all-reduce (density x world size >= about 1), the bucket is all-reduced
-densely instead (then nothing is left in the residual), counted in
-``stats["sparse_dense_fallbacks"]``.
+all-reduce (density x world size >= about 1), the selected entries are
+all-reduced as a dense vector instead (zeros elsewhere): the result and the
+residual are the same as the sparse path's, only the transport changes.
+Counted in ``stats["sparse_dense_fallbacks"]``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -24,28 +26,39 @@ from ..compress import densify, k_for, threshold_indices, topk_indices
 
 __all__ = ["Residuals", "average_sparse"]
 
+log = logging.getLogger("distopt")
+
 
 class Residuals:
     """Error-feedback memory: one residual array per bucket, local to this rank."""
 
     def __init__(self) -> None:
-        self.buffers: dict[int, Any] = {}
+        self.buffers: dict[Any, Any] = {}
 
-    def get(self, bucket: int, like: Any) -> Any:
-        """The residual of ``bucket``, created as zeros shaped like ``like``."""
+    def get(self, bucket: Any, like: Any) -> Any:
+        """The residual of ``bucket`` (any hashable key), created as zeros shaped like ``like``.
+
+        A stored residual whose shape or dtype no longer fits (the bucket
+        layout changed) is dropped with a warning, never silently.
+        """
         r = self.buffers.get(bucket)
-        if r is None or r.shape != like.shape or r.dtype != like.dtype:
+        if r is not None and (r.shape != like.shape or r.dtype != like.dtype):
+            log.warning("error-feedback residual of bucket %s dropped: layout changed (%s %s -> %s %s)",
+                        bucket, r.shape, r.dtype, like.shape, like.dtype)
+            r = None
+        if r is None:
             r = self.buffers[bucket] = like * 0
         return r
 
     def clear(self) -> None:
         self.buffers = {}
 
-    def state_dict(self) -> dict[int, Any]:
+    def state_dict(self) -> dict[Any, Any]:
+        """Copies of the residuals, keyed as DistOpt keys its buckets."""
         return {k: v.copy() for k, v in self.buffers.items()}
 
-    def load_state_dict(self, state: dict[int, Any]) -> None:
-        self.buffers = {int(k): v.copy() for k, v in state.items()}
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        self.buffers = {k: v.copy() for k, v in state.items()}
 
 
 def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
@@ -63,7 +76,8 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
             threshold selection (counts differ per rank, may be 0).
         residual: this bucket's error-feedback residual (same shape as
             ``flat``), updated in place; None disables error feedback.
-        stats: counters to update (``sparse_dense_fallbacks``).
+        stats: counters to update: ``sparse_entries`` (entries this rank
+            selected) and ``sparse_dense_fallbacks``.
 
     Returns:
         Bytes this rank handed to the collectives (indices + values, or the
@@ -75,18 +89,22 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
     pair_bytes = np.dtype(np.int64 if n >= 2**31 else np.int32).itemsize + flat.dtype.itemsize
     sent_bytes = 0
     if topK:
-        k = k_for(n, spars)
-        dense = k * comm.size * pair_bytes >= n * flat.dtype.itemsize
-        idx = None if dense else topk_indices(flat, k)
+        idx = topk_indices(flat, k_for(n, spars))
+        total = idx.size * comm.size
     else:
         idx = threshold_indices(flat, spars)
         counts = comm.all_gather(np.array([idx.size], dtype=np.int64)).reshape(-1)
         sent_bytes += 8
-        dense = int(counts.sum()) * pair_bytes >= n * flat.dtype.itemsize
-    if dense:
+        total = int(counts.sum())
+    stats["sparse_entries"] = stats.get("sparse_entries", 0) + int(idx.size)
+    if total * pair_bytes >= n * flat.dtype.itemsize:
+        # same selection and residual as the sparse path; only the transport is dense
         stats["sparse_dense_fallbacks"] = stats.get("sparse_dense_fallbacks", 0) + 1
+        sent = flat * 0
+        sent[idx] = flat[idx]
         if residual is not None:
-            residual[...] = 0
+            residual[...] = flat - sent
+        flat[...] = sent
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)
     values = flat[idx]

@@ -39,11 +39,12 @@ EVAL_BATCH = 500
 # DistOpt strategy (half, partialUpdate, sparseTopK, sparseThreshold, the
 # latter two with a --spars flag) is one more entry here.
 UPDATES: dict[str, Callable[[distopt.DistOpt, torch.Tensor, argparse.Namespace], None]] = {
-    "plain": lambda opt, loss, args: opt.backward_and_update(loss),
-    "half": lambda opt, loss, args: opt.backward_and_update_half(loss),
-    "partialUpdate": lambda opt, loss, args: opt.backward_and_partial_update(loss),
-    "sparseTopK": lambda opt, loss, args: opt.backward_and_sparse_update(loss, spars=args.spars, topK=True),
-    "sparseThreshold": lambda opt, loss, args: opt.backward_and_sparse_update(loss, spars=args.spars, topK=False),
+    "plain": lambda opt, loss, args: opt.backward_and_update(loss, args.threshold),
+    "half": lambda opt, loss, args: opt.backward_and_update_half(loss, args.threshold),
+    "partialUpdate": lambda opt, loss, args: opt.backward_and_partial_update(loss, args.threshold),
+    "sparseTopK": lambda opt, loss, args: opt.backward_and_sparse_update(loss, args.threshold, args.spars, topK=True),
+    "sparseThreshold": lambda opt, loss, args: opt.backward_and_sparse_update(loss, args.threshold, args.spars,
+                                                                              topK=False),
 }
 
 
@@ -82,10 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gradient synchronisation strategy (default plain: dense all-reduce)")
     p.add_argument("--spars", type=float, default=None,
                    help="sparseTopK: fraction of elements sent (default 0.01); "
-                        "sparseThreshold: magnitude threshold (default 0.001)")
+                        "sparseThreshold: magnitude threshold (default 0.01)")
+    p.add_argument("--threshold", type=int, default=None,
+                   help="elements: larger parameters are reduced alone (default 2097152); for partialUpdate "
+                        "the chunk size (default 10000: this CNN's 431080 parameters make 3 chunks)")
     args = p.parse_args(argv)
+    if args.threshold is None:
+        args.threshold = 10000 if args.dist_option == "partialUpdate" else 2097152
     if args.spars is None:
-        args.spars = 0.001 if args.dist_option == "sparseThreshold" else 0.01
+        args.spars = 0.01
     return args
 
 

@@ -1,7 +1,9 @@
 """Single-node CPU collectives over POSIX shared memory.
 
 Every process of one job attaches to a *control segment* (created by rank 0,
-named from the job id) and owns one *data segment* that it grows on demand.
+named from the job id) and owns one *data segment* that it grows on demand
+(to a new segment name, one generation up, which peers map when they see the
+new generation number; sizes double, in bytes, from 64 KiB).
 The control segment holds one row of int64 slots per rank: its PID, state,
 three monotonically increasing counters (``arrive``, ``reduced``, ``done``,
 each set to the number of the collective the rank has reached), the
@@ -21,15 +23,15 @@ A collective ``#c`` on rank ``r`` runs:
 
 ``all_reduce`` is a reduce-scatter followed by an all-gather, as in the
 bandwidth-optimal algorithms of Patarasuk & Yuan (2009, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations") and NCCL's ring: rank r
-reduces the r-th 1/N slice of the inputs across all ranks' segments, writes it
-into its own segment and publishes ``reduced = c``; every rank then copies the
-other slices out. Rank r never copies its own slice into shared memory (it
-reads it from the caller's array), so each rank moves ``(N-1)/N`` of the array
-in and out. Reductions add in rank order (``((x0 + x1) + x2) + ...``), so
-float results are deterministic and identical on every rank; float16 is
-accumulated in float32. Work is done in chunks of :data:`CHUNK_BYTES` so the
-accumulator stays in cache.
+all-reduce algorithms for clusters of workstations") and NCCL's ring. With N
+ranks, rank r reduces the r-th 1/N slice of the elements across all ranks'
+inputs, writes it into its own segment and publishes ``reduced = c``; every
+rank then copies the other N - 1 slices out. Rank r never copies its own
+input slice into shared memory (it reads it from the caller's array), so each
+rank copies (N-1)/N of the array's bytes in and as many out. Reductions add
+in rank order (``((x0 + x1) + x2) + ...``), so float results are
+deterministic and identical on every rank; float16 is accumulated in float32.
+The reduction runs over 256 KiB chunks so the accumulator stays in cache.
 
 Memory ordering: a rank writes data and descriptors with plain NumPy stores,
 then the counter (one aligned 8-byte store); readers load the counter, then
@@ -37,11 +39,15 @@ the data. On x86-64 (total store order) this is sufficient; glibc's memcpy
 fences its non-temporal stores. Weakly ordered CPUs (ARM, POWER) would need
 explicit fences, which CPython does not expose: this backend assumes x86-64.
 
-Waiting spins with ``os.sched_yield()`` (which gives the core to another
-runnable rank when there are more ranks than cores) for 20 ms, then sleeps
-with exponential backoff from 50 us up to 1 ms. Every wait has the collective's deadline; while
-waiting, the PIDs of missing peers are checked every 0.5 s, so a dead (or
-closed) peer raises within about a second instead of at the deadline.
+Waiting busy-polls the counters for 0.2 ms (keeping the core, as MPI does:
+under load, giving it up costs a scheduler time slice; ``time.sleep(0)`` is
+no cheap poll, it sleeps for the timer slack, about 50-75 us), then polls
+with ``os.sched_yield()`` until 20 ms (letting another runnable rank have the
+core when there are more ranks than cores; a longer busy phase slowed 1 MiB
+all-reduces when two ranks shared a core), then sleeps with exponential
+backoff from 50 us up to 1 ms. Every wait has the collective's deadline;
+while waiting, the PIDs of missing peers are checked every 0.5 s, so a dead
+(or closed) peer raises within about a second instead of at the deadline.
 
 Segments are unlinked by the rank that created them on :meth:`close` or at
 interpreter exit (``weakref.finalize``). A rank killed by a signal cannot clean
@@ -69,14 +75,15 @@ import numpy as np
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from .base import DEFAULT_TIMEOUT, REDUCE_OPS, check_reduce_args
 
-__all__ = ["ShmCommunicator", "CHUNK_BYTES", "segment_prefix", "unlink_segments"]
+__all__ = ["ShmCommunicator", "segment_prefix", "unlink_segments"]
 
-#: Bytes of accumulator a reduction works on at a time (stays in L2 cache;
-#: 256 KiB measured fastest against 64 KiB, 1 MiB and 4 MiB).
-CHUNK_BYTES = 1 << 18
+# Bytes of accumulator a reduction works on at a time (stays in L2 cache;
+# 256 KiB measured fastest against 64 KiB, 1 MiB and 4 MiB).
+_CHUNK_BYTES = 1 << 18
 
 _MIN_CAPACITY = 1 << 16  # bytes, smallest data segment
-_SPIN_S = 0.02  # seconds of yielding before backing off to sleeps
+_BUSY_S = 2e-4  # seconds of pure busy polling (keeps the core)
+_SPIN_S = 0.02  # seconds of polling with sched_yield before backing off to sleeps
 _MIN_SLEEP_S, _MAX_SLEEP_S = 5e-5, 1e-3
 _LIVENESS_PERIOD_S = 0.5
 _SLICE_ALIGN = 64  # bytes; reduce-scatter slices start on cache lines
@@ -261,7 +268,7 @@ class ShmCommunicator:
         self._gens = [0] * size  # data segment generation mapped, per rank (0: none)
         self._maps: list[mmap.mmap | None] = [None] * size  # peers' data mappings
         self._segs: list[np.ndarray | None] = [None] * size  # uint8 views of data segments
-        self._scratch = np.empty(CHUNK_BYTES, np.uint8)
+        self._scratch = np.empty(_CHUNK_BYTES, np.uint8)
         try:
             self._rendezvous()
         except BaseException:
@@ -328,7 +335,8 @@ class ShmCommunicator:
         if not pending:
             return
         now = time.monotonic()
-        spin_until, check_at, delay = now + _SPIN_S, now + _LIVENESS_PERIOD_S, _MIN_SLEEP_S
+        busy_until, spin_until = now + _BUSY_S, now + _SPIN_S
+        check_at, delay = now + _LIVENESS_PERIOD_S, _MIN_SLEEP_S
         while True:
             pending = [p for p in pending if values[p] < target]
             if not pending:
@@ -342,6 +350,8 @@ class ShmCommunicator:
                     f"{self._where(op, c)}: timed out after {self.timeout:g} s; "
                     f"{_fmt_ranks(pending)} {what}"
                 )
+            if now < busy_until:
+                continue
             if now < spin_until:
                 os.sched_yield()
             else:

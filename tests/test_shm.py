@@ -1,0 +1,91 @@
+"""The shared-memory backend: conformance at 1, 2 and 4 processes, failures, cleanup."""
+from __future__ import annotations
+
+import multiprocessing
+import queue
+
+import numpy as np
+import pytest
+
+from distopt.comm import create
+from distopt.comm.shm import ShmCommunicator, unlink_segments
+from distopt.errors import CollectiveTimeoutError
+from distopt.launch import spawn
+from distopt.nccl_id import NcclIdHolder
+from tests import shm_workers
+from tests.shm_workers import job_segments
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_conformance(nprocs):
+    holder = NcclIdHolder()
+    spawn(shm_workers.conformance_worker, nprocs, nccl_id=holder, timeout=50)
+    assert job_segments(holder.job_id) == []
+
+
+def test_registry_and_local_checks():
+    holder = NcclIdHolder()
+    with create("shm", rank=0, size=1, job_id=holder.job_id, timeout=5) as comm:
+        assert comm.name == "shm" and (comm.rank, comm.size) == (0, 1)
+        with pytest.raises(TypeError, match="avg"):
+            comm.all_reduce(np.ones(3, np.int64), op="avg")
+        with pytest.raises(TypeError, match="not supported"):
+            comm.all_reduce(np.ones(3, np.dtype(">f4")))
+        with pytest.raises(FileExistsError, match="already open"):
+            ShmCommunicator(0, 1, holder.job_id)
+        h = np.ones(3, np.float16)
+        assert comm.all_reduce(h, op="avg") is h
+    assert job_segments(holder.job_id) == []
+    with pytest.raises(ValueError, match="job_id"):
+        ShmCommunicator(0, 1, "../etc")
+    with pytest.raises(ValueError, match="closed"):
+        comm.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_dead_peer_is_named_promptly():
+    """Rank 1 is SIGKILLed mid-sequence: ranks 0 and 2 raise naming it, long before the timeout."""
+    ctx = multiprocessing.get_context("spawn")
+    holder, results = NcclIdHolder(), ctx.Queue()
+    procs = [ctx.Process(target=shm_workers.dead_peer_worker, args=(holder, r, 3, results))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        for _ in range(2):
+            try:
+                rank, text, secs = results.get(timeout=40)
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted({0, 2} - set(outcomes))} reported nothing within 40 s")
+            outcomes[rank] = (text, secs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    assert sorted(outcomes) == [0, 2]
+    for rank, (text, secs) in outcomes.items():
+        assert "rank 1 (pid" in text and "has exited" in text, f"rank {rank}: {text}"
+        assert secs < shm_workers.TIMEOUT / 2, f"rank {rank} took {secs:.1f} s to notice"
+    # only the killed rank's own segments can be left; the job sweep removes them
+    leftovers = unlink_segments(holder.job_id, untrack=True)
+    assert all(".r1." in name for name in leftovers), leftovers
+    assert job_segments(holder.job_id) == []
+
+
+@pytest.mark.timeout(60)
+def test_skipped_collective_times_out_naming_rank():
+    holder = NcclIdHolder()
+    all_done = multiprocessing.get_context("spawn").Barrier(3)
+    spawn(shm_workers.skip_worker, 3, (all_done,), nccl_id=holder, timeout=50)
+    assert job_segments(holder.job_id) == []
+
+
+def test_rendezvous_times_out_naming_missing_rank():
+    holder = NcclIdHolder()
+    with pytest.raises(CollectiveTimeoutError, match=r"rendezvous .*rank 1 did not join"):
+        ShmCommunicator(0, 2, holder.job_id, timeout=0.3)
+    assert job_segments(holder.job_id) == []

@@ -90,5 +90,5 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
         else:
             raise ValueError(f"backend must be 'mpi' or 'nccl' under MPI, got {backend!r}")
     if info.global_rank == 0:
-        log.info("distopt: backend %s, world size %d (%s)", comm.name, info.world_size, info.source)
+        log.info("backend %s, world size %d (%s)", comm.name, info.world_size, info.source)
     return comm, info

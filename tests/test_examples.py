@@ -115,3 +115,37 @@ def test_mlp_gradients_match_finite_differences():
             numeric[j] = (up - mlp_numpy.loss_and_grads(params, x, y)[0]) / 2e-6
             p[j] += 1e-6
         np.testing.assert_allclose(g, numeric, atol=1e-6)
+
+
+@needs_data
+def test_cnn_multiprocess_smoke():
+    """SINGA's multiprocess launch mode: 2 spawned processes over the shared-memory backend."""
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, "examples/cnn_multiprocess.py", "2", *SMOKE, "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    assert "backend shm, world size 2" in out
+    prefixed = "\n".join(f"[0] {line}" for line in res.stdout.splitlines() if not line.startswith("[rank"))
+    _check_report(prefixed, min_acc=0.3)
+
+
+STRATEGY_STEPS = ["--max-steps", "60", "--eval-limit", "2000", "--data-dir", DATA_DIR, "--threads", "1"]
+#: stated margin: every strategy within 0.06 of the dense run's accuracy after 60 steps x 2 ranks x 64
+STRATEGY_MARGIN = 0.06
+
+
+@needs_data
+def test_cnn_strategies_converge_like_dense():
+    """Issue 3: each strategy's short CNN run stays within STRATEGY_MARGIN of plain all-reduce."""
+    pytest.importorskip("torch")
+    accs = {}
+    for option in ["plain", "half", "partialUpdate", "sparseTopK", "sparseThreshold"]:
+        res = run_job([sys.executable, "examples/cnn_mpi.py", *STRATEGY_STEPS, "--dist-option", option],
+                      n=2, timeout=180)
+        assert res.returncode == 0, f"{option}:\n{res.stdout[-6000:]}"
+        accs[option] = _check_report(res.stdout, min_acc=0.3)
+    print("accuracy after 60 steps:", accs)
+    for option, acc in accs.items():
+        assert acc >= accs["plain"] - STRATEGY_MARGIN, f"{option} {acc} vs plain {accs['plain']}: {accs}"

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import json
 import pickle
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ._array import xp_of
 from .buckets import Bucket, plan_buckets
 from .comm.base import Communicator
-from .errors import CollectiveMismatchError
+from .accumulate import GradientAccumulator
+from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from .failfast import install_abort_on_exception
 from .metrics import reduce_metrics
 from .strategies import ChunkCursor, Residuals, average_half, average_sparse
 from .world import build_world
@@ -103,6 +106,16 @@ class DistOpt:
         comm: an existing communicator to use instead of building one.
         timeout: collective deadline in seconds (default
             ``$DISTOPT_TIMEOUT`` or 300).
+        backward_passes_per_step: micro-batches accumulated locally per
+            update (Horovod's name); their MEAN is all-reduced once per k
+            calls. See :meth:`flush` for an epoch end.
+        check_finite: skip a step on EVERY rank when any rank's gradient has
+            a NaN or inf (decided by an all-reduce), counted in
+            ``stats["skipped_steps"]``.
+        abort_on_exception: under MPI, make an uncaught exception on any
+            rank abort the whole job (printing its traceback) instead of
+            leaving the others blocked. ``python -m mpi4py train.py`` is the
+            alternative for scripts.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -116,6 +129,8 @@ class DistOpt:
             travelled densely because that moved fewer bytes).
         residuals: error-feedback memory of the sparse strategy (per rank).
         cursor: the partial-update chunk cursor (same on every rank).
+        sampler: a :class:`~distopt.data.DistributedSampler` whose epoch is
+            saved in :meth:`state_dict` (assign it to include it).
 
     Raises:
         TypeError: ``opt`` is none of the supported kinds.
@@ -125,9 +140,12 @@ class DistOpt:
     def __init__(self, opt: Any, nccl_id: Any = None, gpu_num: int | None = None,
                  gpu_per_node: int | None = None, buffSize: int = 4194304, *,
                  backend: str | None = None, comm: Communicator | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, backward_passes_per_step: int = 1,
+                 check_finite: bool = False, abort_on_exception: bool = True) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
+        self._accumulator = GradientAccumulator(backward_passes_per_step) if backward_passes_per_step != 1 else None
+        self.check_finite = bool(check_finite)
         self.local = _wrap_local(opt)
         self.opt = opt
         self.buff_size = int(buffSize)
@@ -148,6 +166,14 @@ class DistOpt:
         self._buffers: dict[tuple[int, int], Any] = {}
         self.residuals = Residuals()
         self.cursor = ChunkCursor()
+        self.sampler: Any = None
+        self._last: tuple[str, list[Any], int, dict[str, Any]] | None = None
+        self._joining = False
+        self._strategies: dict[str, Callable[..., int]] = {
+            "plain": self._dense, "half": self._half, "sparse": self._sparse, "partial": self._partial,
+        }
+        if abort_on_exception and comm.name == "mpi":
+            install_abort_on_exception()
         if hasattr(self.local, "arrays"):
             self.sync_params(self.local.arrays())
 
@@ -288,40 +314,146 @@ class DistOpt:
         return self._plans[threshold]
 
     # --------------------------------------------------------------- steps
+    @contextmanager
+    def _context(self, where: str) -> Iterator[None]:
+        """Prefix a collective error with the step number and ``where`` it happened."""
+        try:
+            yield
+        except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
+            raise type(exc)(f"step {self.stats['steps'] + 1}, {where}: {exc}") from exc
+
+    def _flags(self, params: list[Any], grads: list[Any], active: bool) -> tuple[np.ndarray, int, bool]:
+        """One small all-reduce: per parameter, how many ranks have a gradient; how many ranks are active
+        (not joined); whether any rank saw a non-finite gradient (only with ``check_finite``)."""
+        flags = np.zeros(len(params) + 2, dtype=np.int32)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            flags[i] = g is not None and _is_float(p)
+        flags[-2] = int(active)
+        if self.check_finite and active:
+            flags[-1] = any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and _is_float(g))
+        with self._context("agreement on gradients present"):
+            self.comm.all_reduce(flags, op="sum")
+        skip = bool(flags[-1])
+        if skip:
+            self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
+        return flags[:-2], int(flags[-2]), skip
+
     def _average(self, params: list[Any], grads: list[Any], threshold: int, settings: Mapping[str, Any],
-                 reduce_bucket: Callable[[int, Any], int]) -> list[bool]:
+                 reduce_bucket: Callable[[int, Any, int], int], active: bool = True) -> tuple[list[bool], int]:
         """Average ``grads`` across ranks bucket by bucket; given arrays are overwritten.
 
-        ``reduce_bucket(i, flat)`` averages bucket ``i``'s flat buffer in
-        place and returns the bytes it handed to the collectives. A missing
-        gradient counts as zero and the sum is divided by the world size
-        (shared case H05); a parameter with no gradient on any rank is
-        reported absent and not updated; integer/boolean parameters are
-        never reduced (H09). Returns, per parameter, whether to update it.
+        ``reduce_bucket(i, flat, divisor)`` sums bucket ``i``'s flat buffer
+        over ranks, divides it by ``divisor`` (the number of contributing
+        ranks: the world size, fewer while ranks have joined) and returns
+        the bytes it handed to the collectives. A missing gradient counts
+        as zero (shared case H05); a parameter with no gradient on any rank
+        is reported absent and not updated; integer/boolean parameters are
+        never reduced (H09). Returns per-parameter update flags and the
+        number of active ranks (0: every rank has joined, nothing was done).
         """
-        buckets = self._layout(params, threshold, settings)
-        trainable = [_is_float(p) for p in params]
-        present = np.array([g is not None and t for g, t in zip(grads, trainable)], dtype=np.int32)
-        self.comm.all_reduce(present, op="sum")
+        with self._context("parameter check"):
+            buckets = self._layout(params, threshold, settings)
+        present, n_active, skip = self._flags(params, grads, active)
+        if n_active == 0 or skip:
+            return [False] * len(params), n_active
         for i, bucket in enumerate(buckets):
-            if not trainable[bucket.slots[0].index]:
+            if not _is_float(params[bucket.slots[0].index]):
                 continue
             flat, viewed = self._pack(bucket, grads, self._buffers.get((threshold, i)))
             if not viewed:
                 self._buffers[(threshold, i)] = flat
-            self.stats["wire_bytes"] += reduce_bucket(i, flat)
+            with self._context(f"bucket {i + 1} of {len(buckets)} ({bucket.size} elements of {bucket.dtype})"):
+                self.stats["wire_bytes"] += reduce_bucket(i, flat, n_active)
             self.stats["dense_bytes"] += int(flat.nbytes)
             if not viewed:
                 self._unpack(bucket, flat, grads)
         self.stats["steps"] += 1
-        return [bool(c) for c in present]
+        return [bool(c) for c in present], n_active
 
-    def _dense(self, i: int, flat: Any) -> int:  # noqa: ARG002
-        self.comm.all_reduce(flat, op="avg")
-        return int(flat.nbytes)
-
+    # ------------------------------------------------------ strategies
     def _apply(self, params: list[Any], grads: list[Any], present: list[bool]) -> None:
-        self.local.apply(params, grads, present)
+        """Local update of the parameters some rank had a gradient for (none: nothing runs)."""
+        if any(present):
+            self.local.apply(params, grads, present)
+
+    def _dense(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True) -> int:
+        def reduce_bucket(i: int, flat: Any, divisor: int) -> int:  # noqa: ARG001
+            self.comm.all_reduce(flat, op="sum")
+            flat /= divisor
+            return int(flat.nbytes)
+
+        present, n_active = self._average(params, grads, threshold, {"strategy": "plain"}, reduce_bucket, active)
+        self._apply(params, grads, present)
+        return n_active
+
+    def _half(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True, *,
+              clip: float | None, wire: str, predivide: float | None) -> int:
+        settings = {"strategy": "half", "wire": wire, "predivide": predivide, "clip": clip}
+
+        def reduce_bucket(i: int, flat: Any, divisor: int) -> int:  # noqa: ARG001
+            return average_half(self.comm, flat, wire=wire, predivide=predivide, clip_value=clip, divisor=divisor)
+
+        present, n_active = self._average(params, grads, threshold, settings, reduce_bucket, active)
+        self._apply(params, grads, present)
+        return n_active
+
+    def _sparse(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True, *,
+                spars: float, topK: bool, corr: bool) -> int:
+        settings = {"strategy": "sparse", "spars": spars, "topK": topK, "corr": corr}
+
+        def reduce_bucket(i: int, flat: Any, divisor: int) -> int:  # noqa: ARG001
+            residual = self.residuals.get((threshold, i), flat) if corr else None
+            return average_sparse(self.comm, flat, spars=spars, topK=topK, residual=residual, stats=self.stats)
+
+        present, n_active = self._average(params, grads, threshold, settings, reduce_bucket, active)
+        self._apply(params, grads, present)
+        return n_active
+
+    def _partial(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True, *,
+                 average_momentum: bool) -> int:
+        with self._context("parameter check"):
+            self._layout(params, threshold, {"strategy": "partial", "average_momentum": average_momentum})
+        if average_momentum:
+            self.local.momentum_arrays(params)  # raises before any update if the optimizer has none
+        _, n_active, skip = self._flags(params, grads, active)
+        if skip:
+            return n_active
+        self.local.apply(params, grads, [g is not None and _is_float(p) for p, g in zip(params, grads)])
+        trainable = [i for i, p in enumerate(params) if _is_float(p)]
+        chunks = plan_buckets([(params[i].shape, params[i].dtype) for i in trainable], threshold, max(threshold, 1))
+        chunk = chunks[self.cursor.take(len(chunks))] if chunks else None
+        self.stats["steps"] += 1
+        if chunk is None:
+            return n_active
+        groups = [[params[i] for i in trainable]]
+        if average_momentum:
+            momenta = self.local.momentum_arrays([params[i] for i in trainable])
+            if any(momenta[s.index] is None for s in chunk.slots):
+                raise ValueError("average_momentum=True but a parameter of this chunk has no momentum buffer yet")
+            groups.append(momenta)
+        for arrays in groups:
+            flat, viewed = self._pack(chunk, arrays)
+            with self._context(f"partial chunk of {chunk.size} elements"):
+                self.comm.all_reduce(flat, op="avg")
+            if not viewed:
+                self._unpack(chunk, flat, arrays)
+            self.stats["wire_bytes"] += int(flat.nbytes)
+        self.stats["dense_bytes"] += sum(int(params[i].nbytes) for i in trainable)
+        return n_active
+
+    def _run(self, kind: str, params: Sequence[Any], grads: Sequence[Any], threshold: int,
+             **options: Any) -> None:
+        """Check arguments, accumulate micro-batches if asked, then run strategy ``kind``."""
+        if self._joining and kind in ("sparse", "partial"):
+            raise ValueError(f"join() supports the plain and half strategies only, not {kind!r}")
+        params, grads = _checked(params, grads)
+        self._last = (kind, params, threshold, options)
+        if self._accumulator is not None:
+            released = self._accumulator.add(grads)
+            if released is None:
+                return
+            grads = released
+        self._strategies[kind](params, grads, threshold, **options)
 
     def step(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD) -> None:
         """Average ``grads`` across ranks with a fused all-reduce, then update ``params``.
@@ -338,10 +470,10 @@ class DistOpt:
         Raises:
             ValueError: ``params`` and ``grads`` differ in length or shape.
             CollectiveMismatchError / CollectiveTimeoutError: from the ranks'
-                agreement checks; no parameter is changed then.
+                agreement checks or a missed deadline, naming the step and
+                bucket; no parameter is changed then.
         """
-        params, grads = _checked(params, grads)
-        self._apply(params, grads, self._average(params, grads, threshold, {"strategy": "plain"}, self._dense))
+        self._run("plain", params, grads, threshold)
 
     def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
                   clipping: bool = False, clip_Value: float = 100.0, *, wire: str = "float16",
@@ -358,12 +490,8 @@ class DistOpt:
                 before the cast (as the seed's DistOpt).
             wire: ``"float16"`` or ``"bfloat16"`` (NumPy: needs ml_dtypes).
         """
-        params, grads = _checked(params, grads)
-        clip = clip_Value if clipping else None
-        settings = {"strategy": "half", "wire": wire, "predivide": predivide, "clip": clip}
-        reduce_bucket = lambda i, flat: average_half(self.comm, flat, wire=wire, predivide=predivide,  # noqa: E731
-                                                     clip_value=clip)
-        self._apply(params, grads, self._average(params, grads, threshold, settings, reduce_bucket))
+        self._run("half", params, grads, threshold, clip=clip_Value if clipping else None, wire=wire,
+                  predivide=predivide)
 
     def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
                     spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
@@ -384,14 +512,7 @@ class DistOpt:
             raise ValueError(f"spars must be in (0, 1] with topK=True (the fraction of elements kept), got {spars}")
         if not topK and not spars >= 0:
             raise ValueError(f"spars must be >= 0 with topK=False (a magnitude threshold), got {spars}")
-        params, grads = _checked(params, grads)
-        settings = {"strategy": "sparse", "spars": spars, "topK": topK, "corr": corr}
-
-        def reduce_bucket(i: int, flat: Any) -> int:
-            residual = self.residuals.get((threshold, i), flat) if corr else None
-            return average_sparse(self.comm, flat, spars=spars, topK=topK, residual=residual, stats=self.stats)
-
-        self._apply(params, grads, self._average(params, grads, threshold, settings, reduce_bucket))
+        self._run("sparse", params, grads, threshold, spars=spars, topK=topK, corr=corr)
 
     def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
                      average_momentum: bool = False) -> None:
@@ -413,31 +534,93 @@ class DistOpt:
             ValueError: ``average_momentum=True`` with an optimizer that
                 exposes no momentum buffers.
         """
-        params, grads = _checked(params, grads)
-        settings = {"strategy": "partial", "average_momentum": average_momentum}
-        self._layout(params, threshold, settings)
-        if average_momentum:
-            self.local.momentum_arrays(params)  # raises before any update if the optimizer has none
-        self._apply(params, grads, [g is not None and _is_float(p) for p, g in zip(params, grads)])
-        trainable = [i for i, p in enumerate(params) if _is_float(p)]
-        chunks = plan_buckets([(params[i].shape, params[i].dtype) for i in trainable], threshold, max(threshold, 1))
-        chunk = chunks[self.cursor.take(len(chunks))] if chunks else None
-        self.stats["steps"] += 1
-        if chunk is None:
+        self._run("partial", params, grads, threshold, average_momentum=average_momentum)
+
+    def flush(self) -> None:
+        """Apply a partial gradient accumulation now, as its own averaged update.
+
+        With ``backward_passes_per_step=k``, an epoch whose micro-batch count
+        is not a multiple of k leaves some micro-batches accumulated; call
+        ``flush()`` on every rank at the epoch end to apply them (averaged
+        over the micro-batches held), or :meth:`discard_accumulation` to
+        drop them. Either way the next epoch starts with a clean counter
+        (shared case H27). Does nothing without a pending accumulation.
+        """
+        if self._accumulator is None or self._accumulator.count == 0:
             return
-        groups = [[params[i] for i in trainable]]
-        if average_momentum:
-            momenta = self.local.momentum_arrays([params[i] for i in trainable])
-            if any(momenta[s.index] is None for s in chunk.slots):
-                raise ValueError("average_momentum=True but a parameter of this chunk has no momentum buffer yet")
-            groups.append(momenta)
-        for arrays in groups:
-            flat, viewed = self._pack(chunk, arrays)
-            self.comm.all_reduce(flat, op="avg")
-            if not viewed:
-                self._unpack(chunk, flat, arrays)
-            self.stats["wire_bytes"] += int(flat.nbytes)
-        self.stats["dense_bytes"] += sum(int(params[i].nbytes) for i in trainable)
+        kind, params, threshold, options = self._last
+        self._strategies[kind](params, self._accumulator.release(), threshold, **options)
+
+    def discard_accumulation(self) -> None:
+        """Drop a partial gradient accumulation (see :meth:`flush`)."""
+        if self._accumulator is not None:
+            self._accumulator.discard()
+
+    @contextmanager
+    def join(self, params: Sequence[Any] | None = None) -> Iterator[None]:
+        """Let ranks with fewer batches finish early without hanging the others.
+
+        Use around the training loop on every rank (Horovod's ``hvd.join``,
+        PyTorch's ``Join``)::
+
+            with opt.join():
+                for batch in my_batches:      # counts may differ per rank
+                    opt.backward_and_update(loss_of(batch))
+
+        A rank that leaves the loop keeps answering the others' steps with
+        zero gradients and applies the same averaged update, so parameters
+        stay identical; while some ranks have joined, the average is taken
+        over the ranks that contributed (sum / number of active ranks).
+        Works with the plain and half strategies (the last one used); the
+        sparse and partial strategies raise ValueError at their first step
+        inside ``join``. Gradient accumulation is not combined with join.
+
+        Args:
+            params: the parameters, for an array model that ran no step
+                before joining (the PyTorch adapter knows them).
+
+        Raises:
+            ValueError: nothing to shadow (no step yet and no ``params``).
+        """
+        self._joining = True
+        try:
+            yield
+        except BaseException:
+            self._joining = False
+            raise
+        if self._last is not None:
+            kind, known, threshold, options = self._last
+        elif params is not None or hasattr(self.local, "arrays"):
+            kind, threshold, options = "plain", DEFAULT_THRESHOLD, {}
+            known = list(params) if params is not None else self.local.arrays()
+        else:
+            self._joining = False
+            raise ValueError("join() needs params= for an array model that has run no step")
+        try:
+            while self._strategies[kind](known, [None] * len(known), threshold, False, **options):
+                pass
+        finally:
+            self._joining = False
+
+    def agree(self, flag: bool, rule: str = "any") -> bool:
+        """A decision every rank takes together (early stopping; shared case H31).
+
+        Args:
+            flag: this rank's vote.
+            rule: ``"any"`` (true if some rank votes true), ``"all"``, or
+                ``"root"`` (rank 0's vote).
+
+        Returns:
+            The same bool on every rank.
+        """
+        if rule not in ("any", "all", "root"):
+            raise ValueError(f"rule must be 'any', 'all' or 'root', got {rule!r}")
+        vote = np.array([bool(flag)], dtype=np.int32)
+        if rule == "root":
+            self.comm.broadcast(vote, root=0)
+            return bool(vote[0])
+        self.comm.all_reduce(vote, op="sum")
+        return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.world_size)
 
     def average_params(self, params: Sequence[Any] | None = None) -> None:
         """Average all (float) parameters across ranks at once, in place.
@@ -491,15 +674,20 @@ class DistOpt:
     # --------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: the local optimizer's state and the counters."""
-        return {"local": self.local.state_dict(), "stats": dict(self.stats),
-                "residuals": self.residuals.state_dict(), "cursor": self.cursor.state_dict()}
+        state = {"local": self.local.state_dict(), "stats": dict(self.stats),
+                 "residuals": self.residuals.state_dict(), "cursor": self.cursor.state_dict()}
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.local.load_state_dict(state["local"])
         self.stats = dict(state["stats"])
-        self.residuals.load_state_dict(state["residuals"])
+        self.residuals.load_state_dict(state.get("residuals", {}))
         self.cursor.load_state_dict(state["cursor"])
+        if self.sampler is not None and "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
         """Release the communicator."""

@@ -144,7 +144,8 @@ class MPICommunicator:
             detail = (f"rank 0 is in {_KINDS[a[0]]} #{a[1]}, rank {first} in {_KINDS[b[0]]} #{b[1]} "
                       "(ranks reached different collectives or different step counts)")
         elif a[2] != b[2]:
-            detail = f"element count differs: rank 0 has {a[2]}, rank {first} has {b[2]}"
+            detail = (f"element count differs: rank 0 has {a[2]}, rank {first} has {b[2]} (different buffers, "
+                      "or ranks at unequal step counts calling different collectives)")
         else:
             detail = "dtype or op differs between rank 0 and rank {first}".format(first=first)
         raise CollectiveMismatchError(f"{what}: {detail}")

@@ -10,7 +10,7 @@ __all__ = ["average_half"]
 
 
 def average_half(comm: Communicator, flat: Any, *, wire: str = "float16", predivide: float | None = None,
-                 clip_value: float | None = None) -> int:
+                 clip_value: float | None = None, divisor: int | None = None) -> int:
     """Average ``flat`` across ranks in place, sending 16-bit floats.
 
     Steps: optional element clipping to ``[-clip_value, clip_value]`` (as
@@ -32,11 +32,14 @@ def average_half(comm: Communicator, flat: Any, *, wire: str = "float16", prediv
         wire: ``"float16"`` or ``"bfloat16"``.
         predivide: factor divided out before the sum (default world size).
         clip_value: clip elements to this magnitude first (None: no clip).
+        divisor: ranks to average over (default the world size; fewer while
+            some ranks have joined and contribute zeros).
 
     Returns:
         Bytes this rank handed to the all-reduce (``2 * flat.size``).
     """
-    pre, post = half_scales(comm.size, predivide)
+    divisor = comm.size if divisor is None else divisor
+    pre, post = half_scales(divisor, comm.size if predivide is None else predivide)
     src = flat
     if clip_value is not None:
         src = src.clip(-clip_value, clip_value)

@@ -1,0 +1,34 @@
+"""End the whole MPI job when one rank raises (instead of leaving the others blocked).
+
+When an uncaught exception reaches the top of a rank, the traceback is
+printed as usual and then ``MPI_Abort`` ends every process of the job
+(ChainerMN #236 / PR 250, mpi4py #290; shared case H02). ``python -m mpi4py
+script.py`` does the same for any script.
+"""
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+
+__all__ = ["install_abort_on_exception"]
+
+_installed = False
+
+
+def install_abort_on_exception() -> None:
+    """Make an uncaught exception abort the MPI job (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        previous(kind, value, tb)
+        sys.stderr.write(f"distopt: uncaught {kind.__name__}; aborting the MPI job (all ranks)\n")
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    _installed = True

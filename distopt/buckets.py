@@ -49,7 +49,7 @@ class Bucket:
 
 
 def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: int,
-                 buff_size: int) -> list[Bucket]:
+                 buff_size: int, *, reverse: bool = False, first_bucket: int | None = None) -> list[Bucket]:
     """Cut parameters into buckets.
 
     Args:
@@ -58,40 +58,53 @@ def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: i
             alone (elements, >= 0).
         buff_size: capacity of a fused buffer in elements (>= 1); a parameter
             larger than it is always alone, never overflowing the buffer.
+        reverse: walk the parameters last to first (the order backward
+            produces gradients), so the first bucket holds the last layers.
+        first_bucket: capacity in elements of the first fused bucket of each
+            dtype (PyTorch DDP starts with 1 MiB so the first reduction
+            starts early); None means ``buff_size``.
 
     Returns:
-        Buckets in order of their first parameter; within a dtype, parameter
-        order is kept. Zero-size parameters get a slot of size 0.
+        Buckets in the order they are reduced (by their first parameter in
+        the walk). Zero-size parameters get a slot of size 0.
 
     Raises:
-        ValueError: ``threshold < 0`` or ``buff_size < 1``.
+        ValueError: ``threshold < 0``, ``buff_size < 1`` or ``first_bucket < 1``.
     """
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0 elements, got {threshold}")
     if buff_size < 1:
         raise ValueError(f"buffSize must be >= 1 element, got {buff_size}")
+    if first_bucket is not None and first_bucket < 1:
+        raise ValueError(f"first_bucket must be >= 1 element, got {first_bucket}")
     limit = min(threshold, buff_size)
-    buckets: list[Bucket] = []
+    order = range(len(specs) - 1, -1, -1) if reverse else range(len(specs))
+    buckets: list[tuple[int, Bucket]] = []  # (position in the walk of the first parameter, bucket)
     open_slots: dict[np.dtype, list[Slot]] = {}
     open_fill: dict[np.dtype, int] = {}
+    open_start: dict[np.dtype, int] = {}
+    flushed: set[np.dtype] = set()
 
     def flush(dtype: np.dtype) -> None:
         slots = open_slots.pop(dtype, [])
         if slots:
-            buckets.append(Bucket(dtype, tuple(slots), open_fill.pop(dtype)))
+            buckets.append((open_start.pop(dtype), Bucket(dtype, tuple(slots), open_fill.pop(dtype))))
+            flushed.add(dtype)
 
-    for index, (shape, dtype) in enumerate(specs):
+    for position, index in enumerate(order):
+        shape, dtype = specs[index]
         dtype = np.dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64))
         if size > limit:
-            buckets.append(Bucket(dtype, (Slot(index, 0, size, tuple(shape)),), size))
+            buckets.append((position, Bucket(dtype, (Slot(index, 0, size, tuple(shape)),), size)))
             continue
-        if open_fill.get(dtype, 0) + size > buff_size:
+        capacity = buff_size if dtype in flushed or first_bucket is None else min(first_bucket, buff_size)
+        if open_fill.get(dtype, 0) + size > capacity and open_slots.get(dtype):
             flush(dtype)
         fill = open_fill.get(dtype, 0)
+        open_start.setdefault(dtype, position)
         open_slots.setdefault(dtype, []).append(Slot(index, fill, size, tuple(shape)))
         open_fill[dtype] = fill + size
     for dtype in list(open_slots):
         flush(dtype)
-    first = {id(b): min(s.index for s in b.slots) for b in buckets}
-    return sorted(buckets, key=lambda b: first[id(b)])
+    return [bucket for _, bucket in sorted(buckets, key=lambda pb: pb[0])]

@@ -17,8 +17,10 @@ random inits shrinks them; shared case H20).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -31,12 +33,15 @@ from .accumulate import GradientAccumulator
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
 from .failfast import install_abort_on_exception
 from .metrics import reduce_metrics
-from .strategies import ChunkCursor, Residuals, average_half, average_sparse
+from .overlap import BucketPipeline, Codec, DenseCodec, HalfCodec, float_buckets
+from .torch import as_array
+from .strategies import ChunkCursor, Residuals, average_sparse
 from .world import build_world
 
 __all__ = ["DistOpt"]
 
 DEFAULT_THRESHOLD = 2097152  # elements
+FIRST_BUCKET = 262144  # elements of the first (reverse-order) bucket: 1 MiB of float32, as PyTorch DDP
 
 
 def _is_float(array: Any) -> bool:
@@ -116,6 +121,12 @@ class DistOpt:
             rank abort the whole job (printing its traceback) instead of
             leaving the others blocked. ``python -m mpi4py train.py`` is the
             alternative for scripts.
+        overlap: start each bucket's all-reduce during backward, as soon as
+            its gradients are ready (plain and half strategies through
+            ``backward_and_update[_half]``: PyTorch post-accumulate-grad hooks,
+            or an array loss whose ``backward()`` yields ``(param, grad)``
+            pairs). Results are identical to ``overlap=False``. Not combined
+            with ``backward_passes_per_step > 1``.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -126,7 +137,10 @@ class DistOpt:
             all-reduce of the same gradients would hand over) and, for the
             sparse strategy, ``sparse_entries`` (entries selected by this
             rank) and ``sparse_dense_fallbacks`` (buckets whose selection
-            travelled densely because that moved fewer bytes).
+            travelled densely because that moved fewer bytes);
+            ``buckets_started_in_backward`` counts reductions that overlap
+            started before backward returned; ``skipped_steps`` counts steps
+            skipped by ``check_finite``.
         residuals: error-feedback memory of the sparse strategy (per rank).
         cursor: the partial-update chunk cursor (same on every rank).
         sampler: a :class:`~distopt.data.DistributedSampler` whose epoch is
@@ -141,7 +155,7 @@ class DistOpt:
                  gpu_per_node: int | None = None, buffSize: int = 4194304, *,
                  backend: str | None = None, comm: Communicator | None = None,
                  timeout: float | None = None, backward_passes_per_step: int = 1,
-                 check_finite: bool = False, abort_on_exception: bool = True) -> None:
+                 check_finite: bool = False, abort_on_exception: bool = True, overlap: bool = True) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         self._accumulator = GradientAccumulator(backward_passes_per_step) if backward_passes_per_step != 1 else None
@@ -161,12 +175,17 @@ class DistOpt:
         self.world_size = comm.size
         self.stats: dict[str, int] = {"steps": 0, "wire_bytes": 0, "dense_bytes": 0}
         self._specs: Any = None
-        self._settings: Any = None
-        self._plans: dict[int, list[Bucket]] = {}
+        self._digested: tuple[Any, int] = (None, 0)
+        self._plans: dict[tuple[int, bool], list[Bucket]] = {}
         self._buffers: dict[tuple[int, int], Any] = {}
         self.residuals = Residuals()
         self.cursor = ChunkCursor()
         self.sampler: Any = None
+        self.overlap = bool(overlap)
+        self._executor: ThreadPoolExecutor | None = None
+        self._armed: tuple[BucketPipeline, dict[int, int]] | None = None
+        self._hooked: set[int] = set()
+        self._known: list[Any] | None = None  # parameter order learned from a generator-yielding loss
         self._last: tuple[str, list[Any], int, dict[str, Any]] | None = None
         self._joining = False
         self._strategies: dict[str, Callable[..., int]] = {
@@ -254,7 +273,10 @@ class DistOpt:
             CollectiveMismatchError: on every rank, naming the first
                 parameter whose shape or dtype differs, or a count difference.
         """
-        self._sync(list(params), {"world_size": self.world_size})
+        params = list(params)
+        self._sync(params, {"world_size": self.world_size})
+        if not hasattr(self.local, "arrays"):
+            self._known = params  # the shared order for losses whose backward() yields (param, grad) pairs
 
     def _sync(self, params: list[Any], settings: Mapping[str, Any]) -> None:
         self._check_same(params, settings)
@@ -294,26 +316,38 @@ class DistOpt:
             else:
                 arrays[s.index][...] = part
 
-    def _layout(self, params: list[Any], threshold: int, settings: Mapping[str, Any]) -> list[Bucket]:
-        """Bucket plan for ``params`` at ``threshold``.
+    def _layout(self, params: list[Any], threshold: int, settings: Mapping[str, Any],
+                reverse: bool = False) -> list[Bucket]:
+        """Agree with the other ranks on this step, then return the bucket plan.
 
-        When the parameter list changed (first step, a parameter added) the
-        ranks check they agree and rank 0's values are broadcast; when only
-        the strategy settings changed, the ranks check they agree on them.
+        One small all-gather per step (the "step header") carries a digest of
+        the parameter shapes/dtypes, a digest of the strategy settings, and
+        whether this rank's parameter list changed. Different digests raise
+        :class:`CollectiveMismatchError` on every rank naming the first
+        difference (so ranks on different strategies or models never
+        exchange garbage); a changed parameter list on any rank makes every
+        rank broadcast rank 0's parameters (first step, parameters added).
         """
         specs = tuple((p.shape, str(p.dtype)) for p in params)
-        settings = {"world_size": self.world_size, "buffSize": self.buff_size, "threshold": threshold, **settings}
-        if specs != self._specs:
-            self._sync(params, settings)
-            self._specs, self._settings, self._plans = specs, settings, {}
-        elif settings != self._settings:
-            self._check_same(params, settings)
-            self._settings = settings
-        if threshold not in self._plans:
-            self._plans[threshold] = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size)
-        return self._plans[threshold]
+        full = {"world_size": self.world_size, "buffSize": self.buff_size, "threshold": threshold,
+                "reverse": reverse, **settings}
+        if specs != self._digested[0]:
+            self._digested = (specs, _digest([[list(shape), dtype] for shape, dtype in specs]))
+        header = np.array([self._digested[1], _digest(full), int(specs != self._specs)], dtype=np.int64)
+        everyone = self.comm.all_gather(header)
+        if (everyone[:, :2] != everyone[0, :2]).any():
+            self._check_same(params, full)
+            raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
+        if everyone[:, 2].any():
+            self._sync(params, full)
+            self._specs, self._plans = specs, {}
+        key = (threshold, reverse)
+        if key not in self._plans:
+            first = min(FIRST_BUCKET, self.buff_size) if reverse else None
+            self._plans[key] = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
+                                            reverse=reverse, first_bucket=first)
+        return self._plans[key]
 
-    # --------------------------------------------------------------- steps
     @contextmanager
     def _context(self, where: str) -> Iterator[None]:
         """Prefix a collective error with the step number and ``where`` it happened."""
@@ -376,26 +410,50 @@ class DistOpt:
         if any(present):
             self.local.apply(params, grads, present)
 
-    def _dense(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True) -> int:
-        def reduce_bucket(i: int, flat: Any, divisor: int) -> int:  # noqa: ARG001
-            self.comm.all_reduce(flat, op="sum")
-            flat /= divisor
-            return int(flat.nbytes)
+    def _pipeline(self, params: list[Any], threshold: int, settings: Mapping[str, Any],
+                  codec: Codec) -> BucketPipeline:
+        """A fresh bucket pipeline for one plain/half step (reverse-order buckets)."""
+        with self._context("parameter check"):
+            buckets = float_buckets(self._layout(params, threshold, settings, reverse=True))
+        if self._executor is None and not hasattr(self.comm, "all_reduce_async"):
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distopt-allreduce")
+        return BucketPipeline(self.comm, buckets, codec, self._buffers.setdefault(("pipeline", threshold), {}),
+                              params, self._executor)
 
-        present, n_active = self._average(params, grads, threshold, {"strategy": "plain"}, reduce_bucket, active)
-        self._apply(params, grads, present)
+    def _pipelined(self, params: list[Any], grads: list[Any], threshold: int, active: bool,
+                   settings: Mapping[str, Any], codec: Codec, pipeline: BucketPipeline | None = None) -> int:
+        """Plain/half step: start every bucket (those not started during backward), then agree on
+        which gradients exist and how many ranks are active, then finish, scale and update."""
+        if pipeline is None:
+            pipeline = self._pipeline(params, threshold, settings, codec)
+        with self._context("bucket reductions"):
+            pipeline.launch_rest(grads)
+            pipeline.drain()
+        present, n_active, skip = self._flags(params, grads, active)
+        if n_active == 0 or skip:
+            with self._context("bucket reductions"):
+                pipeline.abandon()
+            return n_active
+        with self._context(f"bucket reductions ({len(pipeline.buckets)} buckets)"):
+            self.stats["wire_bytes"] += pipeline.finish(grads, n_active)
+        self.stats["dense_bytes"] += sum(int(b.size) * np.dtype(b.dtype).itemsize for b in pipeline.buckets)
+        self.stats["steps"] += 1
+        self._apply(params, grads, [bool(c) for c in present])
         return n_active
 
-    def _half(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True, *,
-              clip: float | None, wire: str, predivide: float | None) -> int:
+    def _dense(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True,
+               pipeline: BucketPipeline | None = None) -> int:
+        return self._pipelined(params, grads, threshold, active, {"strategy": "plain"}, DenseCodec(), pipeline)
+
+    def _half_codec(self, clip: float | None, wire: str, predivide: float | None) -> Codec:
+        return HalfCodec(self.world_size, wire, predivide, clip)
+
+    def _half(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True,
+              pipeline: BucketPipeline | None = None, *, clip: float | None, wire: str,
+              predivide: float | None) -> int:
         settings = {"strategy": "half", "wire": wire, "predivide": predivide, "clip": clip}
-
-        def reduce_bucket(i: int, flat: Any, divisor: int) -> int:  # noqa: ARG001
-            return average_half(self.comm, flat, wire=wire, predivide=predivide, clip_value=clip, divisor=divisor)
-
-        present, n_active = self._average(params, grads, threshold, settings, reduce_bucket, active)
-        self._apply(params, grads, present)
-        return n_active
+        return self._pipelined(params, grads, threshold, active, settings,
+                               self._half_codec(clip, wire, predivide), pipeline)
 
     def _sparse(self, params: list[Any], grads: list[Any], threshold: int, active: bool = True, *,
                 spars: float, topK: bool, corr: bool) -> int:
@@ -597,7 +655,7 @@ class DistOpt:
             self._joining = False
             raise ValueError("join() needs params= for an array model that has run no step")
         try:
-            while self._strategies[kind](known, [None] * len(known), threshold, False, **options):
+            while self._strategies[kind](known, [None] * len(known), threshold, False, None, **options):
                 pass
         finally:
             self._joining = False
@@ -641,25 +699,100 @@ class DistOpt:
         if hasattr(self.local, "arrays"):
             loss.backward()
             return self.local.arrays(), self.local.grads()
-        return _pairs(loss.backward())
+        params, grads = _pairs(loss.backward())
+        if self._known is not None and len(params) == len(self._known):
+            index_of = {id(p): i for i, p in enumerate(self._known)}
+            if all(index_of.get(id(p)) is not None for p in params):  # arrival order -> the shared order
+                ordered: list[Any] = [None] * len(params)
+                for p, g in zip(params, grads):
+                    ordered[index_of[id(p)]] = g
+                return list(self._known), ordered
+        return params, grads
+
+    def _on_grad(self, param: Any) -> None:
+        """PyTorch post-accumulate-grad hook: hand a final gradient to the armed pipeline."""
+        if self._armed is not None:
+            pipeline, index_of = self._armed
+            index = index_of.get(id(param))
+            if index is not None:
+                pipeline.ready(index, as_array(param.grad))
+
+    def _overlapped(self, kind: str, loss: Any, threshold: int, options: dict[str, Any]) -> bool:
+        """Run a plain/half step with reductions started during backward; False if not applicable."""
+        if not self.overlap or self._accumulator is not None:
+            return False
+        settings: dict[str, Any] = {"strategy": "plain"}
+        codec: Codec = DenseCodec()
+        if kind == "half":
+            settings = {"strategy": "half", **options}
+            codec = self._half_codec(**options)
+        if hasattr(self.local, "arrays"):  # PyTorch
+            tensors = self.local.params()
+            if not all(hasattr(t, "register_post_accumulate_grad_hook") for t in tensors):
+                return False
+            for t in tensors:
+                if id(t) not in self._hooked:
+                    t.register_post_accumulate_grad_hook(self._on_grad)
+                    self._hooked.add(id(t))
+            params = self.local.arrays()
+            pipeline = self._pipeline(params, threshold, settings, codec)
+            self._armed = (pipeline, {id(t): i for i, t in enumerate(tensors)})
+            try:
+                loss.backward()
+            finally:
+                self._armed = None
+            grads = self.local.grads()
+            self.stats["buckets_started_in_backward"] = self.stats.get("buckets_started_in_backward", 0) + pipeline.next
+        else:
+            if self._known is None:
+                return False
+            params = self._known
+            index_of = {id(p): i for i, p in enumerate(params)}
+            pipeline = self._pipeline(params, threshold, settings, codec)
+            grads = [None] * len(params)
+            for p, g in loss.backward():
+                i = index_of.get(id(p))
+                if i is None or params[i] is not p:
+                    raise ValueError("with overlap=True an array model's parameter list must stay fixed; a new "
+                                     "parameter appeared (use DistOpt(..., overlap=False) to change it)")
+                grads[i] = g
+                pipeline.ready(i, g)
+            self.stats["buckets_started_in_backward"] = self.stats.get("buckets_started_in_backward", 0) + pipeline.next
+        self._last = (kind, params, threshold, options)
+        self._strategies[kind](params, grads, threshold, True, pipeline, **options)
+        return True
 
     def backward_and_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD) -> None:
         """Backward pass, fused all-reduce of the gradients, local update (see :meth:`step`).
+
+        With ``overlap=True`` (the default) each bucket's all-reduce starts
+        during backward as soon as its gradients are ready.
 
         Args:
             loss: for a PyTorch optimizer, the loss tensor (``loss.backward()``
                 runs, ``.grad`` is averaged in place, ``optimizer.step()``
                 runs). For array models, any object whose ``backward()``
-                yields ``(param, grad)`` pairs in a fixed order.
+                yields ``(param, grad)`` pairs: in any order once
+                :meth:`sync_params` has fixed the shared parameter order,
+                else in the same order on every rank.
             threshold: see :meth:`step` (elements).
         """
-        self.step(*self._backward(loss), threshold)
+        if not self._overlapped("plain", loss, threshold, {}):
+            params, grads = self._backward(loss)
+            self.step(params, grads, threshold)
+            if not hasattr(self.local, "arrays"):
+                self._known = params
 
     def backward_and_update_half(self, loss: Any, threshold: int = DEFAULT_THRESHOLD, clipping: bool = False,
                                  clip_Value: float = 100.0, *, wire: str = "float16",
                                  predivide: float | None = None) -> None:
-        """Backward pass, then :meth:`step_half`."""
-        self.step_half(*self._backward(loss), threshold, clipping, clip_Value, wire=wire, predivide=predivide)
+        """Backward pass, then :meth:`step_half` (overlapped as :meth:`backward_and_update`)."""
+        options = {"clip": clip_Value if clipping else None, "wire": wire, "predivide": predivide}
+        if not self._overlapped("half", loss, threshold, options):
+            params, grads = self._backward(loss)
+            self.step_half(params, grads, threshold, clipping, clip_Value, wire=wire, predivide=predivide)
+            if not hasattr(self.local, "arrays"):
+                self._known = params
 
     def backward_and_partial_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD,
                                     average_momentum: bool = False) -> None:
@@ -690,8 +823,17 @@ class DistOpt:
             self.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
-        """Release the communicator."""
+        """Release the communicator (and the reduction thread of backends without async all-reduce)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
         self.comm.close()
+
+
+def _digest(obj: Any) -> int:
+    """A stable 63-bit digest of a JSON-able object (the same in every process)."""
+    raw = hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1
 
 
 def _checked(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:

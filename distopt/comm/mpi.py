@@ -79,6 +79,26 @@ def _dtype_code(dtype: np.dtype) -> int:
     return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
 
 
+class MpiHandle:
+    """An all-reduce in flight (see :meth:`MPICommunicator.all_reduce_async`)."""
+
+    def __init__(self, comm: "MPICommunicator", request: Any, array: np.ndarray, op: str) -> None:
+        self._comm, self._request, self._array, self._op = comm, request, array, op
+
+    def test(self) -> bool:
+        """Drive MPI progress; True once the reduction is complete."""
+        return self._request is None or bool(self._request.Test())
+
+    def wait(self) -> np.ndarray:
+        """Complete the reduction (bounded by the communicator's timeout); returns the array."""
+        if self._request is not None:
+            self._comm._wait(self._request, f"all_reduce_async of {self._array.size} elements")
+            self._request = None
+            if self._op == "avg":
+                np.divide(self._array, self._comm.size, out=self._array)
+        return self._array
+
+
 class MPICommunicator:
     """Collectives over an MPI communicator (CPU NumPy arrays).
 
@@ -186,6 +206,33 @@ class MPICommunicator:
         if op == "avg":
             np.divide(array, self.size, out=array)
         return array
+
+    def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> "MpiHandle":
+        """Start an in-place all-reduce (``Iallreduce``) and return at once.
+
+        Unlike :meth:`all_reduce` there is no per-call agreement check (it
+        would block); DistOpt checks its bucket layout across ranks before
+        the first step instead. Every rank must start the same reductions in
+        the same order. MPI may progress the reduction only inside MPI calls:
+        call ``handle.test()`` now and then, or set ``MPIR_CVAR_ASYNC_PROGRESS=1``
+        (MPICH) for a progress thread.
+
+        Returns:
+            A handle; ``wait()`` completes the reduction (bounded by the
+            timeout) and divides by the world size for ``op="avg"``.
+        """
+        check_reduce_args(array, op)
+        buf, mpi_type = self._buffer(array)
+        if array.dtype == np.bool_:
+            mpi_op = _BOOL_OPS[op]
+        elif mpi_type is MPI.UINT16_T and array.dtype != np.uint16:
+            mpi_op = _half_op(array.dtype, op)
+        else:
+            mpi_op = _NATIVE_OPS[op]
+        request = None
+        if array.size and self.size > 1:
+            request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
+        return MpiHandle(self, request, array, op)
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` with root's contents on every rank (in place)."""

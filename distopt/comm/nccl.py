@@ -56,6 +56,19 @@ def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in buf)
 
 
+class _Enqueued:
+    """A collective already ordered on the caller's stream."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._array
+
+
 class NcclCommunicator:
     """Collectives on CuPy arrays over one NCCL communicator.
 
@@ -109,6 +122,14 @@ class NcclCommunicator:
         if op == "avg":
             array /= self.size
         return array
+
+    def all_reduce_async(self, array: Any, op: str = "sum") -> "_Enqueued":
+        """Enqueue the all-reduce on the comm stream and return at once.
+
+        The host never blocks: the caller's current stream already waits for
+        the result, so ``wait()`` only returns the array.
+        """
+        return _Enqueued(self.all_reduce(array, op))
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
         """In-place broadcast from ``root`` on the comm stream."""

@@ -10,7 +10,7 @@ from distopt.comm.mpi import MPICommunicator
 
 
 class CountingComm(MPICommunicator):
-    """An MPI communicator that counts all-reduces of floating-point buffers (gradient buckets)."""
+    """An MPI communicator that counts all-reduces (blocking or not) of floating-point buffers (gradient buckets)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -20,6 +20,11 @@ class CountingComm(MPICommunicator):
         if array.dtype.kind == "f":
             self.float_reduces += 1
         return super().all_reduce(array, op)
+
+    def all_reduce_async(self, array, op="sum"):
+        if array.dtype.kind == "f":
+            self.float_reduces += 1
+        return super().all_reduce_async(array, op)
 
 
 def test_h01_partitioner_gives_equal_steps(world):

@@ -1,0 +1,215 @@
+"""Bucketed gradient reduction that can start while backward is still running.
+
+The buckets of the plain and half strategies are laid out in REVERSE
+parameter order (the order backward produces gradients), with a small first
+bucket (1 MiB of float32 by default, as PyTorch DDP) so the last layers'
+reduction starts early. :class:`BucketPipeline` receives gradients one by
+one (:meth:`BucketPipeline.ready`, from PyTorch's post-accumulate-grad hooks
+or from a generator of ``(param, grad)`` pairs) and starts a bucket's
+all-reduce as soon as the bucket is complete AND every earlier bucket has
+been started, so all ranks start the same reductions in the same order
+whatever order their gradients arrive in (no deadlock). After backward,
+:meth:`BucketPipeline.launch_rest` starts the remaining buckets (missing
+gradients as zeros) and :meth:`BucketPipeline.finish` waits, scales by the
+number of contributing ranks and unpacks. The post-backward path uses the
+same pipeline with every bucket started after backward, so both paths issue
+identical collectives and give bitwise identical results.
+
+Asynchrony per backend: MPI ``Iallreduce`` (progressed by ``test()`` from
+the hooks), NCCL enqueued on its stream, shared memory on one worker thread
+(NumPy releases the GIL while it reduces).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ._array import xp_of
+from .buckets import Bucket
+
+__all__ = ["BucketPipeline", "Codec", "DenseCodec", "HalfCodec", "float_buckets"]
+
+
+class _ThreadHandle:
+    """A blocking all-reduce run on a worker thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def test(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+
+class Codec(ABC):
+    """How one bucket travels: ``start`` returns a handle, ``finish`` writes the average back."""
+
+    @abstractmethod
+    def start(self, comm: Any, flat: Any, launch: Callable[[Any, str], Any]) -> Any:
+        """Start reducing ``flat`` (via ``launch(array, op)``); return what ``finish`` needs."""
+
+    @abstractmethod
+    def finish(self, flat: Any, started: Any, divisor: int) -> None:
+        """Wait for ``started`` and write the average over ``divisor`` ranks into ``flat``."""
+
+    def wire_bytes(self, flat: Any) -> int:
+        return int(flat.nbytes)
+
+
+class DenseCodec(Codec):
+    """The bucket travels in its own dtype; sum, then divide by the contributing ranks."""
+
+    def start(self, comm: Any, flat: Any, launch: Callable[[Any, str], Any]) -> Any:
+        return launch(flat, "sum")
+
+    def finish(self, flat: Any, started: Any, divisor: int) -> None:
+        started.wait()
+        flat /= divisor
+
+
+class HalfCodec(Codec):
+    """The bucket travels as float16/bfloat16, pre-divided (see :func:`distopt.strategies.average_half`)."""
+
+    def __init__(self, world_size: int, wire: str, predivide: float | None, clip: float | None) -> None:
+        from .compress import half_scales
+
+        self.wire, self.clip = wire, clip
+        self.predivide = float(world_size if predivide is None else predivide)
+        half_scales(world_size, self.predivide)  # validates predivide
+
+    def start(self, comm: Any, flat: Any, launch: Callable[[Any, str], Any]) -> Any:
+        from .compress import to_wire
+
+        src = flat if self.clip is None else flat.clip(-self.clip, self.clip)
+        w = to_wire(src, self.wire, 1.0 / self.predivide)
+        return w, launch(w, "sum")
+
+    def finish(self, flat: Any, started: Any, divisor: int) -> None:
+        from .compress import from_wire
+
+        w, handle = started
+        handle.wait()
+        flat[...] = from_wire(w, flat.dtype, self.predivide / divisor)
+
+    def wire_bytes(self, flat: Any) -> int:
+        return 2 * int(flat.size)
+
+
+class BucketPipeline:
+    """One step's bucket reductions, started in bucket order as gradients become ready.
+
+    Args:
+        comm: the communicator (``all_reduce_async`` if it has one, else a
+            worker thread runs its blocking ``all_reduce``).
+        buckets: the layout (identical on every rank).
+        codec: how a bucket travels.
+        buffers: reusable flat buffers, keyed by bucket index (filled here).
+        params: the parameters (for dtype/device of new buffers).
+        executor: the worker thread for backends without async all-reduce.
+    """
+
+    def __init__(self, comm: Any, buckets: Sequence[Bucket], codec: Codec, buffers: dict[Any, Any],
+                 params: Sequence[Any], executor: ThreadPoolExecutor | None) -> None:
+        self.comm, self.buckets, self.codec, self.params = comm, buckets, codec, params
+        self.buffers = buffers
+        self.executor = executor
+        self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
+        self.missing = [len(bucket.slots) for bucket in buckets]
+        self.marked: set[int] = set()
+        self.views: dict[int, bool] = {}
+        self.flats: dict[int, Any] = {}
+        self.started: dict[int, Any] = {}
+        self.next = 0
+
+    def _launch(self, flat: Any, op: str) -> Any:
+        if hasattr(self.comm, "all_reduce_async"):
+            return self.comm.all_reduce_async(flat, op)
+        return _ThreadHandle(self.executor.submit(self.comm.all_reduce, flat, op))
+
+    def _flat(self, b: int, grad_of: Callable[[int], Any]) -> Any:
+        bucket = self.buckets[b]
+        if b not in self.flats:
+            if bucket.alone:
+                g = grad_of(bucket.slots[0].index)
+                if g is not None and g.flags.c_contiguous:
+                    self.flats[b], self.views[b] = g.reshape(-1), True
+                    return self.flats[b]
+            buf = self.buffers.get(b)
+            if buf is None:
+                ref = self.params[bucket.slots[0].index]
+                buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)
+            self.flats[b], self.views[b] = buf, False
+        return self.flats[b]
+
+    def _put(self, index: int, grad: Any) -> None:
+        b, s = self.where[index]
+        flat = self._flat(b, lambda i: grad if i == index else None)
+        if not self.views[b]:
+            flat[s.offset:s.offset + s.size] = 0 if grad is None else grad.reshape(-1)
+        self.marked.add(index)
+        self.missing[b] -= 1
+
+    def ready(self, index: int, grad: Any) -> None:
+        """Gradient of parameter ``index`` is final: pack it, start complete buckets in order."""
+        if index in self.marked or index not in self.where:
+            return
+        self._put(index, grad)
+        while self.next < len(self.buckets) and self.missing[self.next] == 0:
+            self._start(self.next)
+        for handle in self.started.values():  # MPI progress while backward runs
+            getattr(handle[1] if isinstance(handle, tuple) else handle, "test", lambda: None)()
+
+    def _start(self, b: int) -> None:
+        self.started[b] = self.codec.start(self.comm, self.flats[b], self._launch)
+        self.next = b + 1
+
+    def launch_rest(self, grads: Sequence[Any]) -> None:
+        """Start every bucket not started yet, in order; missing gradients pack as zeros."""
+        for index in self.where:
+            if index not in self.marked:
+                self._put(index, grads[index])
+        while self.next < len(self.buckets):
+            self._start(self.next)
+
+    def finish(self, grads: list[Any], divisor: int) -> int:
+        """Wait for every bucket, average over ``divisor`` ranks, unpack into ``grads``.
+
+        A None entry of ``grads`` receives a new array. Returns the bytes
+        handed to the collectives.
+        """
+        sent = 0
+        for b, bucket in enumerate(self.buckets):
+            flat = self.flats[b]
+            self.codec.finish(flat, self.started[b], divisor)
+            sent += self.codec.wire_bytes(flat)
+            if self.views[b]:
+                continue
+            for s in bucket.slots:
+                part = flat[s.offset:s.offset + s.size].reshape(s.shape)
+                if grads[s.index] is None:
+                    grads[s.index] = part.copy()
+                else:
+                    grads[s.index][...] = part
+        return sent
+
+    def drain(self) -> None:
+        """On a thread-backed communicator, let every started reduction end before the caller's next
+        collective (one thread at a time may use the communicator). A no-op for MPI and NCCL."""
+        if self.executor is not None:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Complete in-flight reductions without using them (after a skipped step)."""
+        for b in range(self.next):
+            started = self.started[b]
+            (started[1] if isinstance(started, tuple) else started).wait()
+
+
+def float_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:
+    """The buckets holding floating-point parameters (the others are never reduced)."""
+    return [b for b in buckets if np.dtype(b.dtype).kind == "f" or str(b.dtype) == "bfloat16"]

@@ -9,3 +9,30 @@ from tests.harness import run_mpi_suite
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_mpi_conformance(n):
     run_mpi_suite("mpi_comm.py", n)
+
+
+SKIP_ONE = """
+import numpy as np
+from distopt.comm import create
+from distopt.errors import CollectiveTimeoutError
+c = create("mpi", timeout=2)
+c.all_reduce(np.ones(4))
+if c.rank != 1:
+    try:
+        c.barrier()
+    except CollectiveTimeoutError as e:
+        print("TIMEOUT", c.rank, e, flush=True)
+"""
+
+
+def test_timeout_names_the_rank_that_did_not_arrive():
+    """Rank 1 skips a barrier: ranks 0 and 2 time out naming rank 1 and where it is."""
+    import sys
+
+    from tests.harness import run_job
+
+    res = run_job([sys.executable, "-c", SKIP_ONE], n=3, timeout=60)
+    lines = [line for line in res.stdout.splitlines() if "TIMEOUT" in line]
+    assert len(lines) == 2, res.stdout[-4000:]
+    for line in lines:
+        assert "barrier #2" in line and "ranks that did not arrive: 1 (at all_reduce #1)" in line, line

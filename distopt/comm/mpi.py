@@ -6,7 +6,10 @@ tested against a deadline, so a rank that never arrives turns into a
 data moves, the ranks exchange a 4-integer descriptor (collective kind,
 sequence number, element count, dtype/op code) with one tiny ``Iallgather``;
 a difference raises :class:`~distopt.errors.CollectiveMismatchError` on every
-rank (shared case H03) instead of a partial or garbled result.
+rank (shared case H03) instead of a partial or garbled result. On a
+timeout, the error names the ranks that did not arrive and the collective
+each one is in, read from a small RMA window where every rank posts its
+collective sequence number (passive one-sided ``Rget``, itself bounded).
 
 float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
 (``MPI.UINT16_T``, 2 bytes per element on the wire) and are reduced by a
@@ -15,7 +18,9 @@ pairwise combination.
 """
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -79,6 +84,12 @@ def _dtype_code(dtype: np.dtype) -> int:
     return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
 
 
+def _call_if_alive(method_ref: "weakref.WeakMethod") -> None:
+    method = method_ref()
+    if method is not None:
+        method()
+
+
 class MpiHandle:
     """An all-reduce in flight (see :meth:`MPICommunicator.all_reduce_async`)."""
 
@@ -122,6 +133,15 @@ class MPICommunicator:
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self._seq = 0
         self._broken: str | None = None
+        # side channel "who is where": each rank exposes (collective seq, kind) in an RMA window that
+        # peers read passively when a collective times out, to name the ranks that did not arrive
+        self._win = MPI.Win.Allocate(16, disp_unit=8, comm=self._comm)
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._where = np.frombuffer(self._win.tomemory(), dtype=np.int64)
+        self._where[:] = (0, -1)
+        # free the window before MPI_Finalize if the user never calls close() (a collective, like
+        # close(); after a timeout nothing is freed, so a missing rank cannot block the exit)
+        atexit.register(_call_if_alive, weakref.WeakMethod(self.close))
 
     @property
     def raw(self) -> Any:
@@ -141,17 +161,40 @@ class MPICommunicator:
                 self._broken = what
                 raise CollectiveTimeoutError(
                     f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
-                    "another rank never reached it (it died, is stuck, or ran a different number "
-                    "of steps); the communicator is unusable now"
+                    f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
+                    "of steps; the communicator is unusable now"
                 )
             time.sleep(delay)
             delay = min(1e-3, delay * 2 + 1e-5)
+
+    def _missing_report(self, per_rank_s: float = 1.0) -> str:
+        """Read every rank's (seq, kind) from the side channel: who has not reached this collective."""
+        behind = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            got = np.zeros(2, dtype=np.int64)
+            request = self._win.Rget([got, MPI.INT64_T], r)
+            start = time.monotonic()
+            while not request.Test():
+                if time.monotonic() - start > per_rank_s:
+                    behind.append(f"{r} (unresponsive)")
+                    break
+            else:
+                if got[0] < self._seq:
+                    at = f"{_KINDS[got[1]]} #{got[0]}" if got[1] >= 0 else "no collective yet"
+                    behind.append(f"{r} (at {at})")
+        if not behind:
+            return "every rank reached it; the collective itself stalled"
+        return "ranks that did not arrive: " + ", ".join(behind)
 
     def _agree(self, kind: str, count: int, code: int) -> str:
         """Exchange (kind, seq, count, code); raise on every rank if ranks differ."""
         if self._broken is not None:
             raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
         self._seq += 1
+        self._where[:] = (self._seq, _KINDS.index(kind))
+        self._win.Sync()
         what = f"{kind} #{self._seq}"
         mine = np.array([_KINDS.index(kind), self._seq, count, code], dtype=np.int64)
         everyone = np.empty((self.size, 4), dtype=np.int64)
@@ -275,6 +318,12 @@ class MPICommunicator:
         self._wait(self._comm.Ibarrier(), what)
 
     def close(self) -> None:
-        """Free the duplicated communicator (idempotent)."""
-        if self._comm != MPI.COMM_NULL:
+        """Free the side-channel window and the duplicated communicator (collective; idempotent).
+
+        After a timeout (a rank is missing) nothing is freed: freeing is
+        collective and would wait for the missing rank.
+        """
+        if self._comm != MPI.COMM_NULL and self._broken is None:
+            self._win.Unlock_all()
+            self._win.Free()
             self._comm.Free()

@@ -21,7 +21,7 @@ if c.rank != 1:
     try:
         c.barrier()
     except CollectiveTimeoutError as e:
-        print("TIMEOUT", c.rank, e, flush=True)
+        print(f"TIMEOUT {c.rank} {e}", flush=True)
 """
 
 

@@ -18,9 +18,7 @@ pairwise combination.
 """
 from __future__ import annotations
 
-import atexit
 import time
-import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -84,12 +82,6 @@ def _dtype_code(dtype: np.dtype) -> int:
     return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
 
 
-def _call_if_alive(method_ref: "weakref.WeakMethod") -> None:
-    method = method_ref()
-    if method is not None:
-        method()
-
-
 class MpiHandle:
     """An all-reduce in flight (see :meth:`MPICommunicator.all_reduce_async`)."""
 
@@ -139,9 +131,6 @@ class MPICommunicator:
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._where = np.frombuffer(self._win.tomemory(), dtype=np.int64)
         self._where[:] = (0, -1)
-        # free the window before MPI_Finalize if the user never calls close() (a collective, like
-        # close(); after a timeout nothing is freed, so a missing rank cannot block the exit)
-        atexit.register(_call_if_alive, weakref.WeakMethod(self.close))
 
     @property
     def raw(self) -> Any:
@@ -321,7 +310,11 @@ class MPICommunicator:
         """Free the side-channel window and the duplicated communicator (collective; idempotent).
 
         After a timeout (a rank is missing) nothing is freed: freeing is
-        collective and would wait for the missing rank.
+        collective and would wait for the missing rank. Call it (or
+        ``DistOpt.close()``) at the end of a job: MPICH's UCX layer warns
+        about the unfreed window at exit otherwise. It is not called at exit
+        automatically, since a collective at exit could block a rank whose
+        peers are gone.
         """
         if self._comm != MPI.COMM_NULL and self._broken is None:
             self._win.Unlock_all()

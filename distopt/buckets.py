@@ -10,11 +10,11 @@ buckets of at most ``buff_size`` elements, as SINGA's DistOpt does with its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Slot", "Bucket", "plan_buckets"]
+__all__ = ["Slot", "Bucket", "plan_buckets", "unpack"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,13 @@ def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: i
     for dtype in list(open_slots):
         flush(dtype)
     return [bucket for _, bucket in sorted(buckets, key=lambda pb: pb[0])]
+
+
+def unpack(bucket: Bucket, flat: Any, arrays: list[Any]) -> None:
+    """Write a bucket's flat buffer back into ``arrays`` (by slot index); a None entry gets a new array."""
+    for s in bucket.slots:
+        part = flat[s.offset:s.offset + s.size].reshape(s.shape)
+        if arrays[s.index] is None:
+            arrays[s.index] = part.copy()
+        else:
+            arrays[s.index][...] = part

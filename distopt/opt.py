@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._array import xp_of
-from .buckets import Bucket, plan_buckets
+from .buckets import Bucket, plan_buckets, unpack
 from .comm.base import Communicator
 from .accumulate import GradientAccumulator
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -284,7 +284,7 @@ class DistOpt:
             flat, viewed = self._pack(bucket, params)
             self.comm.broadcast(flat, root=0)
             if not viewed:
-                self._unpack(bucket, flat, params)
+                unpack(bucket, flat, params)
 
     # ------------------------------------------------------ pack / unpack
     @staticmethod
@@ -305,16 +305,6 @@ class DistOpt:
             else:
                 buffer[s.offset:s.offset + s.size] = a.reshape(-1)
         return buffer, False
-
-    @staticmethod
-    def _unpack(bucket: Bucket, flat: Any, arrays: list[Any]) -> None:
-        """Write ``flat`` back into ``arrays``; a None entry gets a new array."""
-        for s in bucket.slots:
-            part = flat[s.offset:s.offset + s.size].reshape(s.shape)
-            if arrays[s.index] is None:
-                arrays[s.index] = part.copy()
-            else:
-                arrays[s.index][...] = part
 
     def _layout(self, params: list[Any], threshold: int, settings: Mapping[str, Any],
                 reverse: bool = False) -> list[Bucket]:
@@ -400,7 +390,7 @@ class DistOpt:
                 self.stats["wire_bytes"] += reduce_bucket(i, flat, n_active)
             self.stats["dense_bytes"] += int(flat.nbytes)
             if not viewed:
-                self._unpack(bucket, flat, grads)
+                unpack(bucket, flat, grads)
         self.stats["steps"] += 1
         return [bool(c) for c in present], n_active
 
@@ -494,7 +484,7 @@ class DistOpt:
             with self._context(f"partial chunk of {chunk.size} elements"):
                 self.comm.all_reduce(flat, op="avg")
             if not viewed:
-                self._unpack(chunk, flat, arrays)
+                unpack(chunk, flat, arrays)
             self.stats["wire_bytes"] += int(flat.nbytes)
         self.stats["dense_bytes"] += sum(int(params[i].nbytes) for i in trainable)
         return n_active
@@ -692,7 +682,7 @@ class DistOpt:
             flat, viewed = self._pack(bucket, floats)
             self.comm.all_reduce(flat, op="avg")
             if not viewed:
-                self._unpack(bucket, flat, floats)
+                unpack(bucket, flat, floats)
 
     # --------------------------------------------------- backward + update
     def _backward(self, loss: Any) -> tuple[list[Any], list[Any]]:

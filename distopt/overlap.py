@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ._array import xp_of
-from .buckets import Bucket
+from .buckets import Bucket, unpack
 
 __all__ = ["BucketPipeline", "Codec", "DenseCodec", "HalfCodec", "float_buckets"]
 
@@ -187,14 +187,8 @@ class BucketPipeline:
             flat = self.flats[b]
             self.codec.finish(flat, self.started[b], divisor)
             sent += self.codec.wire_bytes(flat)
-            if self.views[b]:
-                continue
-            for s in bucket.slots:
-                part = flat[s.offset:s.offset + s.size].reshape(s.shape)
-                if grads[s.index] is None:
-                    grads[s.index] = part.copy()
-                else:
-                    grads[s.index][...] = part
+            if not self.views[b]:
+                unpack(bucket, flat, grads)
         return sent
 
     def drain(self) -> None:

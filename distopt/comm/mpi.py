@@ -78,6 +78,15 @@ def _half_op(dtype: np.dtype, op: str) -> Any:
     return _HALF_OPS[key]
 
 
+def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
+    """The MPI operation for ``op`` on ``dtype`` (logical for bool, user-defined for 16-bit floats)."""
+    if dtype == np.bool_:
+        return _BOOL_OPS[op]
+    if mpi_type is MPI.UINT16_T and dtype != np.uint16:
+        return _half_op(dtype, op)
+    return _NATIVE_OPS[op]
+
+
 def _dtype_code(dtype: np.dtype) -> int:
     return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
 
@@ -226,12 +235,7 @@ class MPICommunicator:
         """
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
-        if array.dtype == np.bool_:
-            mpi_op = _BOOL_OPS[op]
-        elif mpi_type is MPI.UINT16_T and array.dtype != np.uint16:
-            mpi_op = _half_op(array.dtype, op)
-        else:
-            mpi_op = _NATIVE_OPS[op]
+        mpi_op = _reduce_op(array.dtype, mpi_type, op)
         what = self._agree("all_reduce", array.size, _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op))
         if array.size and self.size > 1:
             self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op), what)
@@ -255,12 +259,7 @@ class MPICommunicator:
         """
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
-        if array.dtype == np.bool_:
-            mpi_op = _BOOL_OPS[op]
-        elif mpi_type is MPI.UINT16_T and array.dtype != np.uint16:
-            mpi_op = _half_op(array.dtype, op)
-        else:
-            mpi_op = _NATIVE_OPS[op]
+        mpi_op = _reduce_op(array.dtype, mpi_type, op)
         request = None
         if array.size and self.size > 1:
             request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)

@@ -1,28 +1,16 @@
-"""Array-module dispatch shared by the compression kernels.
+"""Array-module dispatch shared by the compression kernels (see :mod:`distopt._array`).
 
 CuPy is imported only when a CuPy array is passed in, so
 ``import distopt.compress`` works on machines without CuPy.
 """
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
-
 import numpy as np
 
+from .._array import is_cupy
+from .._array import xp_of as xp
 
-def is_cupy(x: Any) -> bool:
-    """Whether ``x`` is a CuPy array (checked by its type's module, without importing CuPy)."""
-    return type(x).__module__.startswith("cupy")
-
-
-def xp(x: Any) -> ModuleType:
-    """The array module of ``x``: ``cupy`` for CuPy arrays, else ``numpy``."""
-    if is_cupy(x):
-        import cupy
-
-        return cupy
-    return np
+__all__ = ["is_cupy", "xp", "index_dtype"]
 
 
 def index_dtype(n: int) -> np.dtype:

@@ -1,13 +1,14 @@
 """Cross-rank metric aggregation through buffer collectives."""
 from __future__ import annotations
 
+import pickle
 from typing import Any, Mapping
 
 import numpy as np
 
 from .comm.base import Communicator
 
-__all__ = ["reduce_metrics"]
+__all__ = ["reduce_metrics", "broadcast_object"]
 
 
 def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
@@ -38,3 +39,19 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
     buf = np.array([float(metrics[k]) for k in keys], dtype=np.float64)
     comm.all_reduce(buf, op="sum")
     return {k: float(v) / (comm.size if k in mean else 1) for k, v in zip(keys, buf)}
+
+
+def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:
+    """Send a picklable object from ``root`` to every rank; returns it on every rank.
+
+    The pickle travels as a uint8 buffer after its length (one int64), so the
+    data path stays a buffer collective. Use it for what must be identical
+    everywhere: a vocabulary built on rank 0 (the AllenNLP pitfall), a
+    config, an early-stopping decision.
+    """
+    payload = pickle.dumps(obj) if comm.rank == root else b""
+    length = np.array([len(payload)], dtype=np.int64)
+    comm.broadcast(length, root=root)
+    buf = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(int(length[0]), np.uint8)
+    comm.broadcast(buf, root=root)
+    return obj if comm.rank == root else pickle.loads(buf.tobytes())

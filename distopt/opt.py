@@ -17,9 +17,6 @@ random inits shrinks them; shared case H20).
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import pickle
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,7 +29,8 @@ from .comm.base import Communicator
 from .accumulate import GradientAccumulator
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
 from .failfast import install_abort_on_exception
-from .metrics import reduce_metrics
+from .agreement import check_same, digest
+from .metrics import broadcast_object, reduce_metrics
 from .overlap import BucketPipeline, Codec, DenseCodec, HalfCodec, float_buckets
 from .torch import as_array
 from .strategies import ChunkCursor, Residuals, average_sparse
@@ -46,10 +44,6 @@ FIRST_BUCKET = 262144  # elements of the first (reverse-order) bucket: 1 MiB of 
 
 def _is_float(array: Any) -> bool:
     return np.dtype(array.dtype).kind == "f" or str(array.dtype) == "bfloat16"
-
-
-def _describe(spec: Sequence[Any] | None) -> str:
-    return "no parameter" if spec is None else f"shape {tuple(spec[0])} dtype {spec[1]}"
 
 
 class _ArrayOptimizer:
@@ -223,40 +217,11 @@ class DistOpt:
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Send a picklable object from ``root`` to every rank; returns it on every rank.
 
-        The pickle travels as a uint8 buffer after its length (an int64), so
-        the data path stays a buffer collective.
+        See :func:`distopt.metrics.broadcast_object`.
         """
-        payload = pickle.dumps(obj) if self.rank_in_global == root else b""
-        length = np.array([len(payload)], dtype=np.int64)
-        self.comm.broadcast(length, root=root)
-        buf = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(int(length[0]), np.uint8)
-        self.comm.broadcast(buf, root=root)
-        return obj if self.rank_in_global == root else pickle.loads(buf.tobytes())
+        return broadcast_object(self.comm, obj, root)
 
     # ------------------------------------------------------ parameter sync
-    def _check_same(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
-        """Compare parameter specs and settings across ranks; raise on every rank on a difference."""
-        mine = {"params": [[list(p.shape), str(p.dtype)] for p in params], **settings}
-        blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), dtype=np.uint8)
-        everyone = [json.loads(b.tobytes()) for b in self.comm.all_gather_v(blob.copy())]
-        ref = everyone[0]
-        for r, other in enumerate(everyone[1:], start=1):
-            if other == ref:
-                continue
-            for key in sorted(set(ref) | set(other)):
-                if key != "params" and ref.get(key) != other.get(key):
-                    raise CollectiveMismatchError(
-                        f"setting {key!r} differs: rank 0 has {ref.get(key)!r}, rank {r} has {other.get(key)!r}")
-            a, b = ref["params"], other["params"]
-            for i in range(max(len(a), len(b))):
-                sa = a[i] if i < len(a) else None
-                sb = b[i] if i < len(b) else None
-                if sa != sb:
-                    raise CollectiveMismatchError(
-                        f"parameter #{i} differs across ranks: rank 0 has {_describe(sa)}, rank {r} has "
-                        f"{_describe(sb)} (rank 0 holds {len(a)} parameters, rank {r} holds {len(b)}); every "
-                        "rank must build the same model and pass its parameters in the same order")
-
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values.
 
@@ -279,7 +244,7 @@ class DistOpt:
             self._known = params  # the shared order for losses whose backward() yields (param, grad) pairs
 
     def _sync(self, params: list[Any], settings: Mapping[str, Any]) -> None:
-        self._check_same(params, settings)
+        check_same(self.comm, params, settings)
         for bucket in plan_buckets([(p.shape, p.dtype) for p in params], DEFAULT_THRESHOLD, self.buff_size):
             flat, viewed = self._pack(bucket, params)
             self.comm.broadcast(flat, root=0)
@@ -322,11 +287,11 @@ class DistOpt:
         full = {"world_size": self.world_size, "buffSize": self.buff_size, "threshold": threshold,
                 "reverse": reverse, **settings}
         if specs != self._digested[0]:
-            self._digested = (specs, _digest([[list(shape), dtype] for shape, dtype in specs]))
-        header = np.array([self._digested[1], _digest(full), int(specs != self._specs)], dtype=np.int64)
+            self._digested = (specs, digest([[list(shape), dtype] for shape, dtype in specs]))
+        header = np.array([self._digested[1], digest(full), int(specs != self._specs)], dtype=np.int64)
         everyone = self.comm.all_gather(header)
         if (everyone[:, :2] != everyone[0, :2]).any():
-            self._check_same(params, full)
+            check_same(self.comm, params, full)
             raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
         if everyone[:, 2].any():
             self._sync(params, full)
@@ -818,12 +783,6 @@ class DistOpt:
             self._executor.shutdown()
             self._executor = None
         self.comm.close()
-
-
-def _digest(obj: Any) -> int:
-    """A stable 63-bit digest of a JSON-able object (the same in every process)."""
-    raw = hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> 1
 
 
 def _checked(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:

@@ -78,6 +78,11 @@ def _half_op(dtype: np.dtype, op: str) -> Any:
     return _HALF_OPS[key]
 
 
+def _kind(code: int) -> str:
+    """Name of a collective kind code (robust to garbage from a mismatched exchange)."""
+    return _KINDS[code] if 0 <= code < len(_KINDS) else f"an unknown collective (code {code})"
+
+
 def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
     """The MPI operation for ``op`` on ``dtype`` (logical for bool, user-defined for 16-bit floats)."""
     if dtype == np.bool_:
@@ -180,7 +185,7 @@ class MPICommunicator:
                     break
             else:
                 if got[0] < self._seq:
-                    at = f"{_KINDS[got[1]]} #{got[0]}" if got[1] >= 0 else "no collective yet"
+                    at = f"{_kind(got[1])} #{got[0]}" if got[1] >= 0 else "no collective yet"
                     behind.append(f"{r} (at {at})")
         if not behind:
             return "every rank reached it; the collective itself stalled"
@@ -202,7 +207,7 @@ class MPICommunicator:
         first = next(r for r in range(self.size) if not (everyone[r] == everyone[0]).all())
         a, b = everyone[0], everyone[first]
         if a[0] != b[0] or a[1] != b[1]:
-            detail = (f"rank 0 is in {_KINDS[a[0]]} #{a[1]}, rank {first} in {_KINDS[b[0]]} #{b[1]} "
+            detail = (f"rank 0 is in {_kind(a[0])} #{a[1]}, rank {first} in {_kind(b[0])} #{b[1]} "
                       "(ranks reached different collectives or different step counts)")
         elif a[2] != b[2]:
             detail = (f"element count differs: rank 0 has {a[2]}, rank {first} has {b[2]} (different buffers, "

@@ -55,3 +55,24 @@ def test_broadcast_gather(comm):
     parts = comm.all_gather_v(cupy.arange(4, dtype=cupy.float32))
     np.testing.assert_array_equal(parts[0].get(), np.arange(4))
     comm.barrier()
+
+
+def test_distopt_from_nccl_id_holder_all_strategies(comm):  # noqa: ARG001 (fixture: skips without a GPU)
+    """The multiprocessing mode's ticket builds a 1-process NCCL DistOpt; every strategy runs on CuPy."""
+    import distopt
+
+    holder = distopt.NcclIdHolder()
+    assert holder.nccl_id is not None
+    opt = distopt.DistOpt(distopt.SGD(lr=1.0), nccl_id=holder, gpu_num=0, gpu_per_node=1)
+    assert opt.comm.name == "nccl"
+    p = cupy.zeros(1000, dtype=cupy.float32)
+    g = cupy.arange(1000, dtype=cupy.float32) / 1000
+    opt.step([p], [g.copy()])
+    np.testing.assert_allclose(p.get(), -np.arange(1000) / 1000, rtol=1e-6)
+    opt.step_half([p], [g.copy()])
+    np.testing.assert_allclose(p.get(), -2 * np.arange(1000) / 1000, rtol=1e-3, atol=1e-3)
+    before = p.copy()
+    opt.step_sparse([p], [g.copy()], spars=0.01, topK=True)
+    assert int(cupy.count_nonzero(p - before)) == 10  # exactly k = 1% of 1000 entries moved
+    opt.step_partial([p], [g.copy()])
+    opt.close()

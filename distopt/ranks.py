@@ -167,6 +167,8 @@ def from_env(env: Mapping[str, str]) -> RankInfo | None:
         trigger = [names.global_rank] if source == "Slurm" else [n for n in names if n is not None]
         if not any(n in env for n in trigger):
             continue
+        if source == "MPICH" and names.local_rank not in env and "SLURM_PROCID" in env:
+            continue  # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but no local rank: Slurm's variables have it
         present = [n for n in names if n is not None and n in env]
         shown = ", ".join(f"{n}={env[n]}" for n in present)
         missing = [n for n in names[:3] if n not in env]

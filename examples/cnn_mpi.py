@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads per process (default: CPU cores // processes on the node)")
     p.add_argument("--dist-option", default="plain", choices=sorted(UPDATES),
                    help="gradient synchronisation strategy (default plain: dense all-reduce)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (MPI backend) or cuda (one GPU per process by local rank, NCCL backend)")
     p.add_argument("--spars", type=float, default=None,
                    help="sparseTopK: fraction of elements sent (default 0.01); "
                         "sparseThreshold: magnitude threshold (default 0.01)")
@@ -181,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the flags, check the data and train; returns the exit status."""
     args = parse_args(argv)
     check_dir(args.data_dir)  # a clear SystemExit before any MPI start-up
-    train(args)
+    if args.device == "cuda":  # one GPU per process, gradients over NCCL
+        info = distopt.ranks.resolve()
+        index = distopt.ranks.device_index(info.local_rank, os.environ, local_size=info.local_size)
+        train(args, make_opt=lambda sgd: distopt.DistOpt(sgd, backend="nccl"), device=f"cuda:{index}")
+    else:
+        train(args)
     return 0
 
 

@@ -27,9 +27,13 @@ from distopt.launch import spawn
 
 
 def train_mnist_cnn(nccl_id: Any, gpu_num: int, gpu_per_node: int, args: argparse.Namespace) -> None:
-    """One worker: rank ``gpu_num`` of ``gpu_per_node`` on this node."""
+    """One worker: rank ``gpu_num`` of ``gpu_per_node`` on this node (GPU ``gpu_num`` when the ticket
+    carries an NCCL id and PyTorch sees CUDA, else the CPU)."""
+    import torch
+
+    device = f"cuda:{gpu_num}" if nccl_id.nccl_id is not None and torch.cuda.is_available() else "cpu"
     train(args, make_opt=lambda sgd: distopt.DistOpt(sgd, nccl_id=nccl_id, gpu_num=gpu_num,
-                                                     gpu_per_node=gpu_per_node))
+                                                     gpu_per_node=gpu_per_node), device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

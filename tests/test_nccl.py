@@ -76,3 +76,32 @@ def test_distopt_from_nccl_id_holder_all_strategies(comm):  # noqa: ARG001 (fixt
     assert int(cupy.count_nonzero(p - before)) == 10  # exactly k = 1% of 1000 entries moved
     opt.step_partial([p], [g.copy()])
     opt.close()
+
+
+def test_torch_cuda_overlap_matches_post_backward(comm):  # noqa: ARG001 (fixture: skips without a GPU)
+    """PyTorch on CUDA through NCCL: hooks start buckets during backward; results equal overlap=False."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    import distopt
+
+    results = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512),
+                                    torch.nn.Tanh(), torch.nn.Linear(512, 8)).cuda()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = distopt.DistOpt(sgd, nccl_id=distopt.NcclIdHolder(), gpu_num=0, gpu_per_node=1,
+                              buffSize=70000, overlap=overlap)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(32, 64, device="cuda", generator=g)
+            sgd.zero_grad()
+            opt.backward_and_update(model(x).square().mean(), threshold=100000)
+        torch.cuda.synchronize()
+        if overlap:
+            assert opt.stats["buckets_started_in_backward"] > 0
+        results.append([p.detach().cpu().numpy() for p in model.parameters()])
+        opt.close()
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)

@@ -294,3 +294,10 @@ def test_two_processes_resolve_from_mpi():
     assert res.returncode == 0, res.stdout[-8000:]
     assert res.stdout.count("2 passed") == 2, res.stdout[-8000:]  # one line per rank
     assert elapsed < 30.0, f"2-process rank check took {elapsed:.1f} s"
+
+
+def test_srun_pmi2_uses_slurm_local_rank():
+    """srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE without MPI_LOCALRANKID: Slurm's variables give the local rank."""
+    env = {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}
+    info = from_env(env)
+    assert (info.global_rank, info.local_rank, info.world_size, info.source) == (5, 1, 8, "Slurm")

@@ -44,7 +44,16 @@ _OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min":
 
 def new_unique_id() -> tuple[int, ...]:
     """A fresh NCCL unique id (128 ints), the job's "ticket"."""
-    return tuple(nccl.get_unique_id())
+    return tuple(int(v) for v in nccl.get_unique_id())
+
+
+def _open(size: int, unique_id: Any, rank: int) -> Any:
+    """``ncclCommInitRank`` through CuPy, whose id type changed: bytes (CuPy 14) or 128 signed ints (13)."""
+    ints = [int(v) for v in unique_id]
+    try:
+        return nccl.NcclCommunicator(size, bytes(v % 256 for v in ints), rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, tuple(v - 256 if v > 127 else v for v in ints), rank)
 
 
 def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
@@ -93,7 +102,7 @@ class NcclCommunicator:
         self.timeout = timeout
         self.device = cupy.cuda.Device(device)
         self.device.use()
-        self._comm = nccl.NcclCommunicator(self.size, tuple(unique_id), self.rank)
+        self._comm = _open(self.size, unique_id, self.rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)
 
     def _run(self, fn: Any) -> None:
@@ -113,7 +122,14 @@ class NcclCommunicator:
         return _TYPES[array.dtype]
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
-        """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`."""
+        """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
+
+        A NumPy array (DistOpt's small control buffers: flags, metrics) is
+        staged through the device and copied back, synchronously.
+        """
+        if isinstance(array, np.ndarray):
+            array[...] = self.all_reduce(cupy.asarray(array), op).get()
+            return array
         check_reduce_args(array, op)
         dtype = self._check(array)
         nccl_op = {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]
@@ -123,7 +139,7 @@ class NcclCommunicator:
             array /= self.size
         return array
 
-    def all_reduce_async(self, array: Any, op: str = "sum") -> "_Enqueued":
+    def all_reduce_async(self, array: Any, op: str = "sum") -> _Enqueued:
         """Enqueue the all-reduce on the comm stream and return at once.
 
         The host never blocks: the caller's current stream already waits for
@@ -132,14 +148,19 @@ class NcclCommunicator:
         return _Enqueued(self.all_reduce(array, op))
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast from ``root`` on the comm stream."""
+        """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
+        if isinstance(array, np.ndarray):
+            array[...] = self.broadcast(cupy.asarray(array), root).get()
+            return array
         dtype = self._check(array)
         if array.size:
             self._run(lambda s: self._comm.bcast(array.data.ptr, array.size, dtype, root, s))
         return array
 
     def all_gather(self, array: Any) -> Any:
-        """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)``."""
+        """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
+        if isinstance(array, np.ndarray):
+            return self.all_gather(cupy.asarray(array)).get()
         dtype = self._check(array)
         src = cupy.ascontiguousarray(array)
         out = cupy.empty((self.size, *array.shape), dtype=array.dtype)
@@ -151,6 +172,8 @@ class NcclCommunicator:
         """Variable-length all-gather of 1-D arrays: counts first (one host sync), then padded data."""
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
+        if isinstance(array, np.ndarray):
+            return [part.get() for part in self.all_gather_v(cupy.asarray(array))]
         counts = self.all_gather(cupy.array([array.size], dtype=cupy.int64)).get().reshape(-1)
         padded = cupy.zeros(int(counts.max(initial=0)), dtype=array.dtype)
         padded[:array.size] = array

@@ -173,7 +173,7 @@ def _unlink_owned(owned: dict[str, SharedMemory]) -> None:
         try:
             shm.close()
         except BufferError:  # a view is still alive; the mapping goes with it
-            pass
+            shm._mmap = None  # so SharedMemory.__del__ does not retry and print "exported pointers exist"
     owned.clear()
 
 

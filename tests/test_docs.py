@@ -1,0 +1,652 @@
+"""The documentation is tested: every code block runs, every command is checked.
+
+Each fenced block in ``docs/**/*.md`` may be preceded by a marker comment,
+``<!-- test: ... -->``, that says how it is checked:
+
+* a ``python`` block without a marker, or marked ``run``, runs as a script
+  in a subprocess (its own temporary directory as the working directory);
+* ``mpi``: a block meant for several ranks, run under ``mpiexec -n 2``. All
+  such blocks run in ONE job (``tests/docs_snippets/run_blocks.py``), one
+  after the other, each from a fresh namespace;
+* ``gpu``: needs CuPy and a CUDA device; run under ``mpiexec -n 1`` where
+  they exist, skipped elsewhere;
+* ``file=NAME``: a file the reader saves (a script, a hostfile); written to
+  disk for the command check that uses it;
+* ``cmd=ID`` (shell blocks): checked by ``CHECKS[ID]`` below, which runs an
+  equivalent command (smaller, or on localhost) or checks the scripts,
+  flags and extras it names;
+* ``output=ID``: the output printed by command ``ID``; its lines are
+  compared, numbers aside, with a real run;
+* ``table=ID`` (on a python block and before a Markdown table): the block
+  prints that table;
+* ``diagram``: a text diagram; the ``distopt`` modules it names must exist.
+
+A block of any other kind, a shell block without a check, or a check
+without its block fails :func:`test_every_block_is_checked`. Also here: the
+troubleshooting messages are found in distopt's source, the site builds with
+``mkdocs build --strict``, and the API reference covers every public name.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT, mpiexec, run_job
+
+DOCS = ROOT / "docs"
+RUNNER = ROOT / "tests" / "docs_snippets" / "run_blocks.py"
+FASHION_DIR = os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
+IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+             "t10k-labels-idx1-ubyte")
+HAVE_DATA = all(any((Path(FASHION_DIR) / (s + ext)).is_file() for ext in ("", ".gz")) for s in IDX_STEMS)
+SMOKE = ["--max-steps", "5", "--eval-limit", "200", "--data-dir", FASHION_DIR]
+needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"no Fashion-MNIST IDX files in {FASHION_DIR} "
+                                "(apt-get install dataset-fashion-mnist, or set FASHION_MNIST_DIR)")
+
+# ---------------------------------------------------------------- parsing
+
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<lang>[\w+-]*)[^\n]*$")
+_MARKER = re.compile(r"^\s*<!--\s*test:\s*(?P<body>.*?)\s*-->\s*$")
+
+
+@dataclass
+class Block:
+    page: str                 # path relative to docs/
+    line: int                 # 1-based line of the opening fence
+    lang: str
+    code: str
+    marker: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _parse_marker(body: str) -> dict[str, str]:
+    out = {}
+    for token in shlex.split(body):
+        key, _, value = token.partition("=")
+        out[key] = value
+    return out
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """Fenced code blocks of one page, with the marker comment right above each."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = len(m["indent"]), m["fence"]
+        body = []
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
+            j += 1
+        k = i - 1
+        marker = _MARKER.match(lines[k]) if k >= 0 else None
+        blocks.append(Block(str(path.relative_to(DOCS)), i + 1, m["lang"] or "", "\n".join(body) + "\n",
+                            _parse_marker(marker["body"]) if marker else {}))
+        i = j + 1
+    return blocks
+
+
+def parse_tables(path: Path) -> dict[str, list[str]]:
+    """``{id: lines}`` of the Markdown tables right after a ``<!-- test: table=id -->`` marker."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    tables = {}
+    for i, line in enumerate(lines):
+        m = _MARKER.match(line)
+        if m and "```" not in (lines[i + 1] if i + 1 < len(lines) else ""):
+            marker = _parse_marker(m["body"])
+            if "table" in marker:
+                rows = []
+                for row in lines[i + 1:]:
+                    if not row.startswith("|"):
+                        break
+                    rows.append(row.strip())
+                tables[marker["table"]] = rows
+    return tables
+
+
+ALL_BLOCKS = [b for page in _pages() for b in parse_blocks(page)]
+
+
+def _kind(block: Block) -> str:
+    m = block.marker
+    for key in ("file", "cmd", "output", "diagram", "gpu", "mpi"):
+        if key in m:
+            return key
+    return "run" if block.lang == "python" else "unmarked"
+
+
+def _blocks(kind: str) -> list[Block]:
+    return [b for b in ALL_BLOCKS if _kind(b) == kind and (b.lang == "python" or kind not in ("run", "mpi", "gpu"))]
+
+
+def _file_block(name: str) -> Block:
+    hits = [b for b in ALL_BLOCKS if b.marker.get("file") == name]
+    assert len(hits) == 1, f"expected one block marked file={name}, found {len(hits)}"
+    return hits[0]
+
+
+def _cmd_block(cmd_id: str) -> Block:
+    hits = [b for b in ALL_BLOCKS if b.marker.get("cmd") == cmd_id]
+    assert len(hits) == 1, f"expected one block marked cmd={cmd_id}, found {len(hits)}"
+    return hits[0]
+
+
+def _commands(block: Block) -> list[list[str]]:
+    """The commands of a shell block (comments and continuation lines handled), as argv lists."""
+    text = block.code.replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append(shlex.split(line, comments=True))
+    return out
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", "DISTOPT_TIMEOUT": "30",
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def _python(argv: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------ the block inventory
+
+def test_every_block_is_checked():
+    problems = []
+    for b in ALL_BLOCKS:
+        kind = _kind(b)
+        if b.lang not in ("python", "bash", "text"):
+            problems.append(f"{b.id}: language {b.lang!r}: use python, bash or text")
+        elif kind == "unmarked":
+            problems.append(f"{b.id}: a {b.lang} block needs a marker (cmd=, file=, output= or diagram)")
+        elif kind == "cmd" and b.marker["cmd"] not in CHECKS:
+            problems.append(f"{b.id}: no check for cmd={b.marker['cmd']} in tests/test_docs.py CHECKS")
+        elif kind in ("run", "mpi", "gpu") and b.lang != "python":
+            problems.append(f"{b.id}: {kind} applies to python blocks")
+        elif kind == "output" and b.marker["output"] not in CHECKS:
+            problems.append(f"{b.id}: output={b.marker['output']} names no command check")
+    used = {b.marker.get("cmd") for b in ALL_BLOCKS}
+    problems += [f"CHECKS[{k!r}] has no block marked cmd={k}" for k in CHECKS if k not in used]
+    files = {b.marker["file"] for b in ALL_BLOCKS if "file" in b.marker}
+    problems += [f"file={name} is used by no command check" for name in files - FILES_USED]
+    assert not problems, "\n".join(problems)
+
+
+def test_shell_blocks_name_existing_scripts():
+    """Every ``examples/...`` or ``tests/...`` path in a shell block exists."""
+    missing = []
+    for b in ALL_BLOCKS:
+        if b.lang == "bash":
+            for path in re.findall(r"\b((?:examples|tests|docs)/[\w./-]+\.py)\b", b.code):
+                if not (ROOT / path).is_file():
+                    missing.append(f"{b.id}: {path}")
+    assert not missing, missing
+
+
+# ------------------------------------------------------------ python blocks
+
+@pytest.mark.parametrize("block", _blocks("run"), ids=lambda b: b.id)
+def test_python_block(block: Block, tmp_path: Path):
+    _skip_without_torch(block)
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    res = _python([str(script)], tmp_path, timeout=90)
+    assert res.returncode == 0, f"{block.id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    if "table" in block.marker:
+        table = parse_tables(DOCS / block.page)[block.marker["table"]]
+        assert res.stdout.strip().splitlines() == table, (
+            f"{block.id}: the table in the page differs from what the block prints:\n{res.stdout}")
+
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _skip_without_torch(block: Block) -> None:
+    if "import torch" in block.code and not HAVE_TORCH:
+        pytest.skip("needs PyTorch (pip install -e '.[torch]')")
+
+
+@pytest.fixture(scope="module")
+def mpi_results(tmp_path_factory) -> dict:
+    """Run the ``mpi`` blocks under ``mpiexec -n 2``; results by block id.
+
+    One job runs the blocks one after the other and stops at the first that
+    fails (the ranks may be out of step after it); a new job then takes the
+    blocks after it, so every block gets a result of its own.
+    """
+    base = tmp_path_factory.mktemp("docs-mpi")
+    manifest = []
+    for n, b in enumerate(_blocks("mpi")):
+        if "import torch" in b.code and not HAVE_TORCH:
+            continue
+        workdir = base / f"block{n}"
+        workdir.mkdir()
+        path = workdir / "block.py"
+        path.write_text(b.code, encoding="utf-8")
+        manifest.append({"id": b.id, "path": str(path), "workdir": str(workdir)})
+    results: dict = {}
+    outputs = []
+    for attempt in range(4):  # at most 3 failing blocks get a fresh job after them
+        remaining = [m for m in manifest if m["id"] not in results]
+        if not remaining:
+            break
+        (base / f"manifest{attempt}.json").write_text(json.dumps(remaining))
+        results_path = base / f"results{attempt}.json"
+        res = run_job([sys.executable, str(RUNNER), str(base / f"manifest{attempt}.json"), str(results_path)],
+                      n=2, timeout=240, collective_timeout=30.0)
+        outputs.append(f"--- job {attempt} (exit {res.returncode}) ---\n{res.stdout[-4000:]}")
+        new = json.loads(results_path.read_text()) if results_path.exists() else {}
+        results.update(new)
+        if not new:  # the job died before finishing any block
+            break
+    return {"results": results, "output": "\n".join(outputs)}
+
+
+@pytest.mark.parametrize("block", _blocks("mpi"), ids=lambda b: b.id)
+def test_mpi_block(block: Block, mpi_results: dict):
+    _skip_without_torch(block)
+    result = mpi_results["results"].get(block.id)
+    if result is None:
+        pytest.fail(f"{block.id} did not run; the jobs' output:\n{mpi_results['output'][-6000:]}")
+    if not result["ok"]:
+        report = "\n".join(f"--- rank {r} ---\n{x['stdout'][-1500:]}{x['error']}"
+                           for r, x in enumerate(result["ranks"]))
+        pytest.fail(f"{block.id} failed under mpiexec -n 2:\n{report}")
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", _blocks("gpu"), ids=lambda b: b.id)
+def test_gpu_block(block: Block, tmp_path: Path):
+    if not _have_gpu():
+        pytest.skip("needs CuPy and a CUDA device")
+    if "import torch" in block.code:
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs PyTorch with CUDA")
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    if "spawn(" in block.code:  # the multiprocessing mode: the block starts its own workers
+        res = _python([str(script)], tmp_path, timeout=180)
+        assert res.returncode == 0, f"{block.id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    else:  # one GPU per rank; a machine with one GPU runs the block as a job of one rank
+        res = run_job([sys.executable, str(script)], n=1, timeout=180)
+        assert res.returncode == 0, f"{block.id} failed under mpiexec -n 1:\n{res.stdout[-6000:]}"
+
+
+def _exists(dotted: str) -> bool:
+    """Whether ``dotted`` names a module, or an attribute of one."""
+    try:
+        importlib.import_module(dotted)
+        return True
+    except ImportError:
+        module, _, attr = dotted.rpartition(".")
+        return _exists(module) and hasattr(importlib.import_module(module), attr) if module else False
+
+
+def test_diagrams_name_existing_modules():
+    for b in _blocks("diagram"):
+        for name in set(re.findall(r"\bdistopt(?:\.\w+)+", b.code)):
+            assert _exists(name), f"{b.id}: {name} does not exist"
+
+
+# ----------------------------------------------------------- command checks
+
+def _extras() -> dict[str, list[str]]:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def check_install(block: Block, tmp_path: Path) -> None:
+    """The extras named in the install commands, and in the extras table, are the project's."""
+    extras = _extras()
+    named = {e.strip() for group in re.findall(r'\.\[([\w,\s-]+)\]', block.code) for e in group.split(",")}
+    assert named and named <= set(extras), f"unknown extras {named - set(extras)} (have {sorted(extras)})"
+    page = (DOCS / block.page).read_text()
+    table = {m for m in re.findall(r"^\| `(\w+)`(?: / `(\w+)`)? \|", page, flags=re.M) for m in m if m}
+    assert table == set(extras), f"the extras table lists {sorted(table)}, pyproject has {sorted(extras)}"
+
+
+@pytest.fixture(scope="module")
+def cnn_smoke() -> subprocess.CompletedProcess:
+    """``mpiexec -n 2 python examples/cnn_mpi.py`` cut down to 5 steps and 200 test images."""
+    pytest.importorskip("torch")
+    return run_job([sys.executable, "examples/cnn_mpi.py", *SMOKE, "--threads", "1"], n=2, timeout=150)
+
+
+def _script_args(block: Block, script: str) -> list[list[str]]:
+    """For each command of ``block`` that runs ``script``, the arguments after it."""
+    out = []
+    for argv in _commands(block):
+        if script in argv:
+            out.append(argv[argv.index(script) + 1:])
+    assert out, f"{block.id}: no command runs {script}"
+    return out
+
+
+def _check_cnn_args(arg_lists: list[list[str]], tmp_path: Path) -> None:
+    """The flags parse with examples/cnn_mpi.py's own parser."""
+    pytest.importorskip("torch")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'examples')!r})
+        from cnn_mpi import parse_args
+        for args in {arg_lists!r}:
+            parse_args(args)
+    """)
+    res = _python(["-c", code], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _rank0_lines(out: str) -> list[str]:
+    return [t for r, t in re.findall(r"^\[(\d+)\]\s?(.*?)\s*$", out, flags=re.M) if r == "0"]
+
+
+@needs_data
+def check_first_cpu_run(block: Block, tmp_path: Path, cnn_smoke=None) -> None:
+    assert "dataset-fashion-mnist" in (ROOT / "examples" / "fashion_mnist.py").read_text()
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+    res = cnn_smoke
+    assert res.returncode == 0, res.stdout[-6000:]
+    expected = [b for b in ALL_BLOCKS if b.marker.get("output") == "first-cpu-run"]
+    assert len(expected) == 1
+    patterns = [re.escape(line).replace(r"\.", ".") for line in expected[0].code.strip().splitlines()]
+    patterns = [re.sub(r"\d+(?:\.\d+)?", r"[\\d.]+", p) for p in patterns]
+    got = _rank0_lines(res.stdout)
+    assert len(got) == len(patterns), f"rank 0 printed {got}, the page shows {expected[0].code}"
+    for pattern, line in zip(patterns, got):
+        assert re.fullmatch(pattern, line), f"{line!r} does not have the shape of {pattern!r}"
+
+
+@needs_data
+def check_mpiexec_one_node(block: Block, tmp_path: Path, cnn_smoke=None) -> None:
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+    assert cnn_smoke.returncode == 0, cnn_smoke.stdout[-6000:]
+
+
+RANKS_PROBE = textwrap.dedent("""
+    import distopt, json, sys
+    from mpi4py import MPI
+    info = distopt.ranks.resolve(mpi_comm=MPI.COMM_WORLD)
+    line = "PROBE " + json.dumps([info.source, info.global_rank, info.world_size, info.local_rank]) + "\\n"
+    sys.stdout.write(line)  # one write per line: the ranks share the terminal
+""")
+
+
+def check_mpich_hostfile(block: Block, tmp_path: Path) -> None:
+    """The hostfile format and the flags, on this machine: ``localhost:2`` with ``-f``, ``-n``, ``-ppn``."""
+    hosts = _file_block("hosts")
+    assert all(re.fullmatch(r"[\w.-]+:\d+", line) for line in hosts.code.split()), hosts.code
+    (argv,) = _commands(block)
+    assert argv[:1] == ["mpiexec"] and argv[argv.index("-f") + 1] == "hosts"
+    assert int(argv[argv.index("-n") + 1]) == sum(int(line.split(":")[1]) for line in hosts.code.split())
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+    (tmp_path / "hosts").write_text("localhost:2\n")
+    (tmp_path / "probe.py").write_text(RANKS_PROBE)
+    res = subprocess.run([mpiexec(), "-f", "hosts", "-n", "2", "-ppn", "2", sys.executable, "probe.py"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    seen = sorted(json.loads(m) for m in re.findall(r"PROBE (\[[^]]*\])", res.stdout))
+    assert seen == [["MPICH", 0, 2, 0], ["MPICH", 1, 2, 1]], res.stdout
+
+
+def check_openmpi_hostfile(block: Block, tmp_path: Path) -> None:
+    hosts = _file_block("hosts-openmpi")
+    assert all(re.fullmatch(r"[\w.-]+ slots=\d+", line) for line in hosts.code.strip().splitlines())
+    (argv,) = _commands(block)
+    assert argv[0] == "mpirun" and argv[argv.index("--hostfile") + 1] == "hosts-openmpi"
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+
+
+def check_srun(block: Block, tmp_path: Path) -> None:
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+    sbatch = _file_block("job.sbatch")
+    (tmp_path / "job.sbatch").write_text(sbatch.code)
+    res = subprocess.run(["bash", "-n", "job.sbatch"], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "examples/cnn_mpi.py" in sbatch.code and (ROOT / "examples/cnn_mpi.py").is_file()
+
+
+def check_multiprocess_example(block: Block, tmp_path: Path) -> None:
+    """The example and its flags exist (its real run is tests/test_examples.py's business)."""
+    pytest.importorskip("torch")
+    for args in _script_args(block, "examples/cnn_multiprocess.py"):
+        res = _python([str(ROOT / "examples/cnn_multiprocess.py"), *args, "--help"], tmp_path)
+        assert res.returncode == 0 and "--dist-option" in res.stdout, res.stderr[-3000:]
+
+
+def check_distopt_launch(block: Block, tmp_path: Path) -> None:
+    """``python -m distopt.launch -n 4 launched.py`` with the page's script."""
+    (argv,) = _commands(block)
+    assert argv[:3] == ["python", "-m", "distopt.launch"], argv
+    script = _file_block(argv[-1])
+    (tmp_path / argv[-1]).write_text(script.code)
+    res = _python(argv[1:], tmp_path, timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    n = int(argv[argv.index("-n") + 1])
+    assert sorted(re.findall(r"rank (\d+): w = ", res.stdout)) == [str(r) for r in range(n)], res.stdout
+    assert len(set(re.findall(r"w = (\[[^]]*\])", res.stdout))) == 1, res.stdout  # identical everywhere
+
+
+def check_strategy_runs(block: Block, tmp_path: Path) -> None:
+    """Each strategy command parses; the table below it lists the same settings."""
+    args = _script_args(block, "examples/cnn_mpi.py")
+    _check_cnn_args(args, tmp_path)
+    options = [a[a.index("--dist-option") + 1] for a in args]
+    after = "\n".join((DOCS / block.page).read_text().splitlines()[block.line:])
+    results = after[after.index("\n|"):].split("\n\n")[0]   # the first table after the commands
+    table = re.findall(r"^\| (plain|half|partialUpdate|sparseTopK|sparseThreshold) \|", results, flags=re.M)
+    assert table == options, f"commands run {options}, the results table lists {table}"
+
+
+def check_docs_build(block: Block, tmp_path: Path, site=None) -> None:
+    """The packages named are what the build needs; ``mkdocs build --strict`` passes (the ``site`` fixture)."""
+    install, build, test = _commands(block)
+    named = {re.split(r"[\[=<>]", arg)[0] for arg in install[2:]}
+    assert named == {"mkdocs", "mkdocs-material", "mkdocstrings"}, named
+    assert build[:3] == ["mkdocs", "build", "--strict"] and test[-1] == "tests/test_docs.py"
+    assert (site / "index.html").is_file()
+
+
+CHECKS = {
+    "install": check_install,
+    "first-cpu-run": check_first_cpu_run,
+    "mpiexec-one-node": check_mpiexec_one_node,
+    "mpich-hostfile": check_mpich_hostfile,
+    "openmpi-hostfile": check_openmpi_hostfile,
+    "srun": check_srun,
+    "multiprocess-example": check_multiprocess_example,
+    "distopt-launch": check_distopt_launch,
+    "strategy-runs": check_strategy_runs,
+    "docs-build": check_docs_build,
+}
+#: ``file=`` blocks that a command check reads.
+FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py"}
+
+
+@pytest.mark.parametrize("cmd_id", sorted(CHECKS))
+def test_shell_block(cmd_id: str, tmp_path: Path, request):
+    block = _cmd_block(cmd_id)
+    check = CHECKS[cmd_id]
+    for mark in getattr(check, "pytestmark", []):
+        if mark.name == "skipif" and mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    kwargs = {name: request.getfixturevalue(name) for name in ("cnn_smoke", "site")
+              if name in check.__code__.co_varnames[:check.__code__.co_argcount]}
+    check(block, tmp_path, **kwargs)
+
+
+# --------------------------------------------------- troubleshooting messages
+
+def _string_pieces() -> list[str]:
+    """The literal parts of every string in distopt's source.
+
+    An f-string is split at its fields, except fields that name a string
+    constant of the same module (``f"{TIMEOUT_ENV} must be ..."``), which
+    are filled in.
+    """
+    pieces = []
+    for path in (ROOT / "distopt").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                     for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                current = ""
+                for v in node.values:
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                        current += v.value
+                    elif (isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name)
+                          and v.value.id in constants and v.conversion == -1 and v.format_spec is None):
+                        current += constants[v.value.id]
+                    else:
+                        pieces.append(current)
+                        current = ""
+                pieces.append(current)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                pieces.append(node.value)
+    return pieces
+
+
+def _found(fragment: str, pieces: list[str]) -> bool:
+    """Whether ``fragment`` is in one literal, or spans up to three at field boundaries.
+
+    A message can join literals of different expressions (``f"... {detail}"``
+    with ``detail = "ranks that ..."``): then the fragment is the end of one
+    literal, optionally a whole literal, and the start of another.
+    """
+    if any(fragment in p for p in pieces):
+        return True
+    whole = set(pieces)
+    ends = [i for i in range(1, len(fragment)) if any(p.endswith(fragment[:i]) for p in pieces)]
+    starts = {j for j in range(1, len(fragment)) if any(p.startswith(fragment[j:]) for p in pieces)}
+    return any(i in starts or any(j > i and fragment[i:j] in whole for j in starts) for i in ends)
+
+
+def _message_cells() -> list[tuple[str, str]]:
+    """(row, message) for the code spans in the first column of troubleshooting.md's tables."""
+    out = []
+    for line in (DOCS / "troubleshooting.md").read_text(encoding="utf-8").splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split(" | ")[0]
+        if "(from " in first:  # a message of the shell or of NCCL, not of distopt
+            continue
+        out.extend((first, span) for span in re.findall(r"`([^`]+)`", first))
+    return out
+
+
+def test_troubleshooting_messages_are_distopts():
+    """Every message on the page is built from string literals in distopt/ (``<...>`` marks a value)."""
+    pieces = _string_pieces()
+    import builtins
+
+    from distopt import errors, launch
+    missing = []
+    for row, message in _message_cells():
+        m = re.match(r"(\w+(?:Error|Exception)): ", message)
+        if m:
+            name = m.group(1)
+            assert any(hasattr(m, name) for m in (errors, launch, builtins)), f"{row}: no exception class {name}"
+            message = message[m.end():]
+        elif re.fullmatch(r"\w+(?:Error|Exception)", message):
+            continue
+        elif re.fullmatch(r"distopt(\.\w+)+", message):  # a name: it must exist
+            module, _, attr = message.rpartition(".")
+            assert hasattr(importlib.import_module(module), attr), f"{row}: no {message}"
+            continue
+        for fragment in re.split(r"<[^<>]*>", message):
+            fragment = fragment.strip(" .;:")
+            if len(fragment) >= 3 and not _found(fragment, pieces):
+                missing.append(f"{fragment!r} (from {message!r})")
+    assert not missing, "not found in distopt's string literals:\n" + "\n".join(missing)
+
+
+# ------------------------------------------------------------ the site build
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    missing = [m for m in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers", "material")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"docs tools not installed ({', '.join(missing)}): pip install mkdocs mkdocs-material "
+                    "'mkdocstrings[python]'")
+    out = tmp_path_factory.mktemp("site")
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert res.returncode == 0, f"mkdocs build --strict failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    warnings = [line for line in res.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert not warnings, "\n".join(warnings)
+    return out
+
+
+def test_mkdocs_build_strict(site: Path):
+    assert (site / "index.html").is_file() and (site / "reference" / "opt" / "index.html").is_file()
+
+
+REFERENCED_MODULES = ["distopt", "distopt.comm", "distopt.comm.base", "distopt.comm.mpi", "distopt.comm.shm",
+                      "distopt.ranks", "distopt.data", "distopt.metrics", "distopt.launch", "distopt.checkpoint",
+                      "distopt.compress", "distopt.strategies", "distopt.torch", "distopt.optim", "distopt.errors",
+                      "distopt.nccl_id", "distopt.world"]
+
+
+def test_reference_covers_public_names(site: Path):
+    """Every name in the ``__all__`` of the public modules has an anchor in the API reference."""
+    anchors = set()
+    for page in (site / "reference").rglob("*.html"):
+        anchors |= set(re.findall(r'id="(distopt[\w.]*)"', page.read_text(encoding="utf-8")))
+    missing = []
+    for module_name in REFERENCED_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            candidates = {f"{module_name}.{name}"}
+            if hasattr(obj, "__qualname__") and hasattr(obj, "__module__"):
+                candidates.add(f"{obj.__module__}.{obj.__qualname__}")
+            if not candidates & anchors:
+                missing.append(f"{module_name}.{name}")
+    nccl = ast.parse((ROOT / "distopt" / "comm" / "nccl.py").read_text())  # not importable without CuPy
+    for node in nccl.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            missing += [f"distopt.comm.nccl.{n.value}" for n in node.value.elts
+                        if f"distopt.comm.nccl.{n.value}" not in anchors]
+    assert not missing, f"public names missing from the API reference: {missing}"

@@ -239,9 +239,11 @@ def test_densify_random_matches_loop():
 def test_densify_precision():
     # float64 sums in index order, as a plain loop: 0.1 + 0.2 (not 0.3)
     assert densify(np.array([0, 0]), np.array([0.1, 0.2]), 1)[0] == 0.1 + 0.2
-    # float32 input accumulates in float64 and rounds once
+    # float32 input accumulates in float32, in the order given, like a dense float32 all-reduce
     vals = np.array([1e8, 1, -1e8], dtype=np.float32)
-    assert densify(np.zeros(3, dtype=np.int64), vals, 1)[0] == 1
+    assert densify(np.zeros(3, dtype=np.int64), vals, 1)[0] == (np.float32(1e8) + np.float32(1)) - np.float32(1e8)
+    # ... and in float64 when a float64 result is asked for
+    assert densify(np.zeros(3, dtype=np.int64), vals, 1, np.float64)[0] == 1
     f16 = densify(np.array([0, 0]), np.array([1, 2], dtype=np.float16), 2)
     assert f16.dtype == np.float16 and f16.tolist() == [3, 0]
 

@@ -54,9 +54,19 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None) -> Any:
     dtype = values.dtype if dtype is None else np.dtype(dtype)
     if indices.size == 0:
         return mod.zeros(n, dtype=dtype)
-    dense = mod.bincount(indices.astype(np.intp, copy=False), weights=values, minlength=n)
-    if dense.size != n:
-        raise ValueError(f"index {dense.size - 1} out of range for length {n}")
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= n:
+        raise ValueError(f"index {low if low < 0 else high} out of range for length {n}")
+    # accumulate in float32 (float64 for float64 values): what a dense float32 all-reduce does;
+    # a float64 scratch of n elements would cost more than the exchange it serves
+    acc = np.float64 if np.dtype(values.dtype) == np.float64 or dtype == np.float64 else np.float32
+    dense = mod.zeros(n, dtype=acc)
+    if mod is np:
+        np.add.at(dense, indices, values.astype(acc, copy=False))
+    else:
+        import cupyx
+
+        cupyx.scatter_add(dense, indices, values.astype(acc, copy=False))
     return dense.astype(dtype, copy=False)
 
 

@@ -59,7 +59,7 @@ def topk_indices(x: Any, k: int) -> Any:
     ``k = 2`` gives ``[0, 1]``. NaN ranks below every number (it is chosen
     only when fewer than ``k`` entries are not NaN); ``inf`` ranks above.
 
-    NumPy arrays of ``n > 2 * _SAMPLE_SIZE`` elements with ``k`` below
+    Arrays of ``n > 2 * _SAMPLE_SIZE`` elements with ``k`` below
     about ``n / 2``: the ``r``-th largest ``|x|`` among ``_SAMPLE_SIZE``
     positions drawn with a fixed seed, with ``r`` five standard deviations
     above the expected ``k * _SAMPLE_SIZE / n``, is a threshold that at
@@ -68,7 +68,9 @@ def topk_indices(x: Any, k: int) -> Any:
     selection among them gives the result. When fewer than ``k`` pass (or
     the sample's threshold is 0), the exact selection runs on all of ``x``,
     so the result never depends on the sample. O(n) either way. CuPy
-    arrays use the exact selection on the device.
+    arrays take the same route on the device (the candidate pass is one
+    ``flatnonzero``), so only the ~k candidates are ever sorted (CuPy's
+    ``partition`` sorts).
 
     Args:
         x: 1-D floating-point array (NumPy or CuPy) of ``n`` elements.
@@ -93,13 +95,18 @@ def topk_indices(x: Any, k: int) -> Any:
         return xp(x).empty(0, dtype=itype)
     mean = k * _SAMPLE_SIZE / n
     r = math.ceil(mean + 5 * math.sqrt(mean) + 4)
-    if is_cupy(x) or n <= 2 * _SAMPLE_SIZE or r > _SAMPLE_SIZE // 2:
+    if n <= 2 * _SAMPLE_SIZE or r > _SAMPLE_SIZE // 2:
         return _exact(x, k).astype(itype, copy=False)
-    rng = np.random.default_rng(_SEED)
-    sample = _magnitude(x[rng.integers(0, n, _SAMPLE_SIZE)])
-    t = np.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r]
+    positions = np.random.default_rng(_SEED).integers(0, n, _SAMPLE_SIZE)
+    mod = xp(x)
+    sample = _magnitude(x[mod.asarray(positions)])
+    t = float(mod.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r])
     if t > 0:
-        candidates, magnitudes = scan(x, t)
+        if is_cupy(x):  # one pass on the device; NaN fails the comparison, as it ranks last
+            candidates = mod.flatnonzero(mod.abs(x) >= t)
+            magnitudes = mod.abs(x[candidates])
+        else:
+            candidates, magnitudes = scan(x, x.dtype.type(t))
         if candidates.size >= k:
             return candidates[_select(magnitudes, k)].astype(itype)
     return _exact(x, k).astype(itype, copy=False)

@@ -366,6 +366,19 @@ def test_gpu_topk_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpu_topk_sampled_path_matches_numpy(cp, dtype):
+    """n above the sampling size: the device takes the sampled-threshold route, same exact result."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(1_000_003).astype(dtype)
+    x[::1000] = 0
+    x[5] = np.nan
+    for k in (1, 100, 10_000):
+        got = topk_indices(cp.asarray(x), k)
+        np.testing.assert_array_equal(cp.asnumpy(got), topk_indices(x, k))
+
+
+@pytest.mark.gpu
 def test_gpu_threshold_matches_numpy(cp):
     x = np.random.default_rng(8).standard_normal(10_000).astype(np.float32)
     for thr in (0.0, 1.0, 100.0):

@@ -1,0 +1,342 @@
+"""One DistOpt step on ResNet-50's gradients against raw all-reduce baselines.
+
+Run under MPI::
+
+    mpiexec -n 2 python benchmarks/step.py            # full: 3 warm-up + 10 timed steps each
+    mpiexec -n 2 python benchmarks/step.py --quick    # 1 warm-up + 3 timed steps each
+
+The gradients have ResNet-50's shapes (torchvision's ``resnet50()``
+parameters in ``model.parameters()`` order: 161 float32 tensors, 25,557,032
+elements, built by hand below), filled with N(0, 1) noise (a different seed
+per rank). Every variant starts each iteration from the same gradients
+(restored, untimed), then a barrier, then the timed call. ``time`` is the
+max over ranks of each iteration's time, averaged over the timed iterations
+(``min`` is the fastest iteration; ``x raw`` and ``x ddp`` use ``time``).
+
+The variants' timed iterations are interleaved (iteration 1 of every
+variant, then iteration 2, ...) after each variant's warm-ups, so a burst
+of load from other processes on a shared machine hits them alike.
+
+Baselines (communication only):
+
+* ``raw-allreduce``: one mpi4py ``Allreduce(IN_PLACE)`` of all 25,557,032
+  floats in a preallocated flat buffer: the reference for ``x raw``;
+* ``naive-per-tensor``: one ``Allreduce`` per gradient tensor (161 calls);
+* ``ddp-gloo-bucketed``: PyTorch DDP's scheme without the backward overlap:
+  tensors in reverse order packed into 25 MiB buckets, each divided by the
+  world size and all-reduced with ``torch.distributed`` gloo
+  (``async_op=True``, all buckets in flight, as DDP launches them), then
+  unpacked. ``x ddp`` refers to it.
+
+DistOpt (``DistOpt(SGD(lr=0.01))``, MPI backend, default threshold and
+buffer size):
+
+* ``step`` (dense, includes the local SGD update of the 25.6M parameters),
+  and ``step, no-op update``: the same with a local optimizer whose update
+  does nothing, i.e. DistOpt's communication path alone;
+* ``step_half`` (float16 wire), ``step_sparse`` top-K 1 % and 0.1 %,
+  ``step_sparse`` threshold (``|g| >= 2.5758``: 1 % of N(0, 1) entries;
+  residuals zeroed before each iteration, untimed, so the density stays at
+  the first step's), ``step_partial``.
+
+``wire MB`` and ``dense MB`` are this rank's bytes handed to the collectives
+per step and what a dense all-reduce of the same gradients would hand over
+(deltas of ``opt.stats``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import _common
+import numpy as np
+
+RESNET50_PARAMS = 25_557_032
+RESNET50_TENSORS = 161
+THRESHOLD_1PCT = 2.5758  # P(|N(0,1)| >= t) = 1 %
+
+
+def resnet50_shapes(num_classes: int = 1000, width_div: int = 1) -> list[tuple[int, ...]]:
+    """Parameter shapes of torchvision's ``resnet50()``, in ``model.parameters()`` order.
+
+    conv1 7x7/64 (no bias), bn1; four stages of Bottleneck blocks
+    ([3, 4, 6, 3] blocks, widths 64, 128, 256, 512, expansion 4): conv1 1x1,
+    bn1, conv2 3x3, bn2, conv3 1x1, bn3, plus a downsample (1x1 conv, bn) in
+    each stage's first block; fc 2048 -> ``num_classes`` with bias. Convs
+    have no bias; each BatchNorm has a weight and a bias. ``width_div``
+    divides every width (the same 161 tensors, smaller: for smoke runs).
+    """
+    w = 64 // width_div
+    shapes: list[tuple[int, ...]] = [(w, 3, 7, 7), (w,), (w,)]
+    inplanes = w
+    for planes, blocks in zip((w, 2 * w, 4 * w, 8 * w), (3, 4, 6, 3)):
+        for b in range(blocks):
+            out = planes * 4
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
+                       (planes, planes, 3, 3), (planes,), (planes,),
+                       (out, planes, 1, 1), (out,), (out,)]
+            if b == 0:
+                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
+            inplanes = out
+    shapes += [(num_classes, 32 * w), (num_classes,)]
+    return shapes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed iterations per variant")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 3; 1 quick)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10; 3 quick)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of the variant keys (default: all); see --list")
+    p.add_argument("--list", action="store_true", help="print the variant keys and exit")
+    p.add_argument("--bucket-mib", type=float, default=25.0, help="DDP-style bucket size (default 25 MiB)")
+    p.add_argument("--width-div", type=int, default=1,
+                   help="divide ResNet-50's widths by this (smoke runs; default 1: the real shapes)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+    p.add_argument("--out", type=Path, default=_common.default_out("step"), help="JSON output path")
+    args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 3
+    if args.iters is None:
+        args.iters = 3 if args.quick else 10
+    return args
+
+
+class NoOpUpdate:
+    """A local optimizer whose update does nothing: times DistOpt's communication path alone."""
+
+    def update(self, param: Any, grad: Any) -> None:  # noqa: ARG002
+        pass
+
+
+# key -> (label, group); group "base" = baselines, "dist" = DistOpt variants
+VARIANTS: dict[str, tuple[str, str]] = {
+    "raw": ("raw-allreduce (one flat buffer)", "base"),
+    "naive": ("naive-per-tensor (161 Allreduce)", "base"),
+    "ddp": ("ddp-gloo-bucketed (25 MiB, reverse)", "base"),
+    "step": ("DistOpt.step (SGD update incl.)", "dist"),
+    "step_noop": ("DistOpt.step, no-op update", "dist"),
+    "half": ("DistOpt.step_half (float16)", "dist"),
+    "topk1": ("DistOpt.step_sparse topK 1%", "dist"),
+    "topk01": ("DistOpt.step_sparse topK 0.1%", "dist"),
+    "thresh": (f"DistOpt.step_sparse |g|>={THRESHOLD_1PCT}", "dist"),
+    "partial": ("DistOpt.step_partial", "dist"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for k, (label, _) in VARIANTS.items():
+            print(f"{k:10} {label}")
+        return 0
+    from mpi4py import MPI
+
+    import distopt
+
+    world = MPI.COMM_WORLD
+    rank, n = world.rank, world.size
+    env = _common.env_info() if rank == 0 else {}
+    keys = list(VARIANTS) if args.variants is None else [k.strip() for k in args.variants.split(",") if k.strip()]
+    for k in keys:
+        if k not in VARIANTS:
+            raise SystemExit(f"unknown variant {k!r}; choose from {', '.join(VARIANTS)}")
+
+    shapes = resnet50_shapes()
+    sizes = [int(np.prod(s)) for s in shapes]
+    assert len(shapes) == RESNET50_TENSORS, len(shapes)
+    assert sum(sizes) == RESNET50_PARAMS, sum(sizes)
+    if args.width_div != 1:
+        shapes = resnet50_shapes(width_div=args.width_div)
+        sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes)
+
+    torch = None
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, _common.cpus() // n))
+    except ImportError:
+        pass
+
+    rng = np.random.default_rng(1234 + rank)
+    master = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    grads = [g.copy() for g in master]
+    params_rng = np.random.default_rng(99)  # same initial params everywhere (DistOpt broadcasts anyway)
+    params = [(params_rng.standard_normal(s, dtype=np.float32) * 0.01) for s in shapes]
+
+    def restore() -> None:
+        for g, m in zip(grads, master):
+            np.copyto(g, m)
+
+    results: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+
+    class Variant:
+        """A timed call, what to do before it (untimed) and, for DistOpt, its stats and cleanup."""
+
+        def __init__(self, key: str, fn: Callable[[], Any], prepare: Callable[[], Any] = restore,
+                     stats: dict[str, int] | None = None, close: Callable[[], Any] = lambda: None) -> None:
+            self.key, self.fn, self.prepare, self.stats, self.close = key, fn, prepare, stats, close
+            self.times = np.zeros(args.iters)
+            self.before: dict[str, int] | None = None
+
+        def run(self) -> float:
+            self.prepare()
+            world.Barrier()
+            t0 = time.perf_counter()
+            self.fn()
+            return time.perf_counter() - t0
+
+    variants: list[Variant] = []
+    dist = None
+    for key in keys:
+        if key == "raw":
+            raw = world.Dup()
+            flat = np.concatenate([g.reshape(-1) for g in master])
+            flat_master = flat.copy()
+            variants.append(Variant(key, lambda raw=raw, flat=flat: raw.Allreduce(MPI.IN_PLACE, [flat, MPI.FLOAT],
+                                                                                  MPI.SUM),
+                                    prepare=lambda flat=flat, fm=flat_master: np.copyto(flat, fm), close=raw.Free))
+        elif key == "naive":
+            raw = world.Dup()
+
+            def naive(raw: Any = raw) -> None:
+                for g in grads:
+                    raw.Allreduce(MPI.IN_PLACE, [g, MPI.FLOAT], MPI.SUM)
+            variants.append(Variant(key, naive, close=raw.Free))
+        elif key == "ddp":
+            reason = None
+            try:
+                if torch is None:
+                    raise ImportError("torch is not installed")
+                dist = _common.init_gloo(world)
+            except Exception as e:  # noqa: BLE001
+                reason = f"{type(e).__name__}: {e}"
+            reasons = world.allgather(reason)
+            if any(reasons):
+                skipped[key] = "; ".join(f"rank {r}: {x}" for r, x in enumerate(reasons) if x)
+                dist = None
+                continue
+            variants.append(Variant(key, ddp_bucketed(torch, dist, grads, args.bucket_mib, n)))
+        else:
+            local = NoOpUpdate() if key == "step_noop" else distopt.SGD(lr=args.lr)
+            opt = distopt.DistOpt(local, backend="mpi")
+            call: Callable[[], Any] = {
+                "step": lambda opt=opt: opt.step(params, grads),
+                "step_noop": lambda opt=opt: opt.step(params, grads),
+                "half": lambda opt=opt: opt.step_half(params, grads),
+                "topk1": lambda opt=opt: opt.step_sparse(params, grads, spars=0.01, topK=True),
+                "topk01": lambda opt=opt: opt.step_sparse(params, grads, spars=0.001, topK=True),
+                "thresh": lambda opt=opt: opt.step_sparse(params, grads, spars=THRESHOLD_1PCT, topK=False),
+                "partial": lambda opt=opt: opt.step_partial(params, grads),
+            }[key]
+
+            def prepare(opt: Any = opt) -> None:
+                restore()
+                for r in opt.residuals.buffers.values():
+                    r[...] = 0
+            variants.append(Variant(key, call, prepare=prepare, stats=opt.stats, close=opt.close))
+
+    # warm-ups, then the timed iterations interleaved (iteration i of every variant, then i + 1, ...)
+    # so that a burst of load from other processes hits every variant alike
+    for v in variants:
+        for _ in range(args.warmup):
+            v.run()
+        v.before = dict(v.stats) if v.stats is not None else None
+    for i in range(args.iters):
+        for v in variants:
+            v.times[i] = v.run()
+    for v in variants:
+        per_iter = np.empty_like(v.times)
+        world.Allreduce(v.times, per_iter, op=MPI.MAX)
+        rec: dict[str, Any] = {"label": VARIANTS[v.key][0], "time_ms": float(per_iter.mean() * 1e3),
+                               "min_ms": float(per_iter.min() * 1e3), "iters": args.iters}
+        if v.stats is not None:
+            d = {k: v.stats.get(k, 0) - v.before.get(k, 0) for k in set(v.stats) | set(v.before)}
+            steps = max(d.get("steps", 0), 1)
+            rec["wire_MB"] = d.get("wire_bytes", 0) / steps / 1e6
+            rec["dense_MB"] = d.get("dense_bytes", 0) / steps / 1e6
+            rec["wire_ratio"] = d.get("wire_bytes", 0) / max(d.get("dense_bytes", 0), 1)
+            if "sparse_entries" in d:
+                rec["density"] = d["sparse_entries"] / steps / total
+                rec["dense_fallbacks_per_step"] = d.get("sparse_dense_fallbacks", 0) / steps
+        else:
+            rec["wire_MB"] = rec["dense_MB"] = total * 4 / 1e6
+            rec["wire_ratio"] = 1.0
+        results[v.key] = rec
+        v.close()
+    if dist is not None:
+        dist.destroy_process_group()
+
+    if rank != 0:
+        return 0
+    ref = results.get("raw", {}).get("time_ms")
+    ddp = results.get("ddp", {}).get("time_ms")
+    for rec in results.values():
+        rec["x_raw"] = rec["time_ms"] / ref if ref else None
+        rec["x_ddp"] = rec["time_ms"] / ddp if ddp else None
+    headers = ["variant", "time ms", "min ms", "x raw", "x ddp", "wire MB", "dense MB", "wire/dense", "density"]
+    rows = [[r["label"], f"{r['time_ms']:.1f}", f"{r['min_ms']:.1f}",
+             f"{r['x_raw']:.2f}" if r["x_raw"] else None, f"{r['x_ddp']:.2f}" if r["x_ddp"] else None,
+             f"{r['wire_MB']:.2f}", f"{r['dense_MB']:.2f}", f"{r['wire_ratio']:.4f}",
+             f"{r['density']:.4f}" if "density" in r else None] for r in results.values()]
+    model = "ResNet-50" if args.width_div == 1 else f"ResNet-50 / {args.width_div} widths"
+    title = (f"{model} gradients ({len(shapes)} float32 tensors, {total:,} elements), "
+             f"{n} processes, {_common.cpus()} CPUs; {args.warmup} warm-up + {args.iters} timed iterations; "
+             "time = mean over iterations of the max over ranks; x raw / x ddp = time / baseline time")
+    print(_common.table(headers, rows, title))
+    for k, why in skipped.items():
+        print(f"skipped {k}: {why}")
+    data = {"benchmark": "step", "env": _common.finish_env(env), "world_size": n,
+            "config": {"tensors": len(shapes), "elements": total, "width_div": args.width_div, "warmup": args.warmup,
+                       "iters": args.iters, "bucket_mib": args.bucket_mib, "lr": args.lr,
+                       "threshold_value": THRESHOLD_1PCT, "quick": args.quick},
+            "results": results, "skipped": skipped}
+    print(f"wrote {_common.write_json(args.out, data)}")
+    return 0
+
+
+def ddp_bucketed(torch: Any, dist: Any, grads: list[np.ndarray], bucket_mib: float, world_size: int
+                 ) -> Callable[[], None]:
+    """PyTorch DDP's reducer without autograd: reverse-order 25 MiB buckets, packed, averaged, unpacked."""
+    tensors = [torch.from_numpy(g).view(-1) for g in grads]
+    cap = int(bucket_mib * (1 << 20))
+    buckets: list[list[int]] = [[]]
+    fill = 0
+    for i in reversed(range(len(tensors))):
+        nbytes = tensors[i].numel() * 4
+        if buckets[-1] and fill + nbytes > cap:
+            buckets.append([])
+            fill = 0
+        buckets[-1].append(i)
+        fill += nbytes
+    flats = [torch.empty(sum(tensors[i].numel() for i in b), dtype=torch.float32) for b in buckets]
+
+    def run() -> None:
+        works = []
+        for b, flat in zip(buckets, flats):
+            off = 0
+            for i in b:
+                k = tensors[i].numel()
+                flat[off:off + k].copy_(tensors[i])
+                off += k
+            flat.div_(world_size)
+            works.append(dist.all_reduce(flat, async_op=True))
+        for b, flat, w in zip(buckets, flats, works):
+            w.wait()
+            off = 0
+            for i in b:
+                k = tensors[i].numel()
+                tensors[i].copy_(flat[off:off + k])
+                off += k
+
+    return run
+
+
+if __name__ == "__main__":
+    sys.exit(_common.run_mpi_main(main))

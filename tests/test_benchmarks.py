@@ -1,0 +1,120 @@
+"""Smoke runs of the benchmark scripts, so they never rot.
+
+Each script runs with its smallest settings (seconds) and must exit 0 and
+write JSON with the expected keys; the numbers themselves are not checked
+(beyond the all-reduce's own correctness count). The MPI ones run under
+``mpiexec -n 2`` through :func:`tests.harness.run_job`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT, run_job
+
+BENCH = ROOT / "benchmarks"
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+sys.path.insert(0, str(ROOT / "examples"))
+import fashion_mnist  # noqa: E402
+
+DATA_DIR = os.environ.get("FASHION_MNIST_DIR", fashion_mnist.DEFAULT_DIR)
+HAVE_DATA = all(fashion_mnist.find_file(DATA_DIR, stem) for stem in fashion_mnist.FILES.values())
+
+
+def _load(path: Path, benchmark: str) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == benchmark
+    assert {"date_utc", "cpus", "numpy"} <= set(data["env"])
+    return data
+
+
+def test_allreduce_smoke(tmp_path):
+    out = tmp_path / "allreduce.json"
+    res = run_job([sys.executable, str(BENCH / "allreduce.py"), "--quick", "--max-bytes", "65536",
+                   "--warmup", "1", "--iters", "2", "--rounds", "1", "--out", str(out)], n=2, timeout=60)
+    assert res.returncode == 0, res.stdout[-6000:]
+    data = _load(out, "allreduce")
+    assert data["world_size"] == 2
+    assert {"distopt-mpi", "mpi4py"} <= set(data["backends"])
+    if HAVE_TORCH:
+        assert "gloo" in data["backends"] or "gloo" in data["skipped"]
+    sizes = [r["bytes"] for r in data["results"]]
+    assert sizes[0] == 8 and sizes[-1] == 65536
+    for row in data["results"]:
+        for name, rec in row["backends"].items():
+            assert {"time_us", "algbw_GBps", "busbw_GBps", "xraw", "wrong", "median_time_us"} <= set(rec), name
+            assert rec["wrong"] == 0, (name, row["bytes"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").is_file()
+
+
+def test_step_smoke(tmp_path):
+    out = tmp_path / "step.json"
+    res = run_job([sys.executable, str(BENCH / "step.py"), "--quick", "--warmup", "1", "--iters", "1",
+                   "--width-div", "8", "--out", str(out)], n=2, timeout=60)
+    assert res.returncode == 0, res.stdout[-6000:]
+    data = _load(out, "step")
+    assert data["config"]["tensors"] == 161
+    expected = {"raw", "naive", "step", "step_noop", "half", "topk1", "topk01", "thresh", "partial"}
+    assert expected <= set(data["results"]) | set(data["skipped"])
+    if HAVE_TORCH:
+        assert "ddp" in data["results"]
+    for key, rec in data["results"].items():
+        assert {"time_ms", "min_ms", "x_raw", "wire_MB", "dense_MB", "wire_ratio"} <= set(rec), key
+    assert data["results"]["topk1"]["density"] == pytest.approx(0.01, rel=0.05)
+
+
+def test_resnet50_shapes():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import step
+    finally:
+        sys.path.remove(str(BENCH))
+    shapes = step.resnet50_shapes()
+    assert len(shapes) == 161
+    assert sum(int(__import__("numpy").prod(s)) for s in shapes) == 25_557_032
+
+
+def test_compress_smoke(tmp_path):
+    out = tmp_path / "compress.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, str(BENCH / "compress.py"), "--quick", "--n", "300000", "--repeat", "1",
+                          "--no-cupy", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    data = _load(out, "compress")
+    ops = [r["op"] for r in data["numpy"]]
+    assert any(op.startswith("top-K 1%") for op in ops) and any(op.startswith("densify") for op in ops)
+    for r in data["numpy"]:
+        assert r["ok"], r["op"]
+        assert {"median_ms", "min_ms"} <= set(r["distopt"]) and r["speedup"] > 0
+    assert data["cupy"] is None and data["cupy_skipped"]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="train.py needs torch")
+@pytest.mark.skipif(not HAVE_DATA, reason=f"no Fashion-MNIST IDX files in {DATA_DIR}")
+def test_train_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DISTOPT_TIMEOUT": "60"}
+    res = subprocess.run([sys.executable, str(BENCH / "train.py"), "--quick", "--max-steps", "3",
+                          "--eval-limit", "200", "--procs", "2", "--strategies", "plain", "--data-dir", DATA_DIR,
+                          "--timeout", "100", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=150)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    data = _load(out, "train")
+    runs = {(r["impl"], r["strategy"], r["procs"]) for r in data["runs"]}
+    assert runs == {("distopt", "plain", 2), ("ddp", "DDP", 2)}
+    for r in data["runs"]:
+        assert {"train_time", "samples_per_s", "eval_acc", "x_ddp_time", "d_acc_pp"} <= set(r)
+        assert r["samples"] == 3 * 64 * 2
+    plain, ddp = sorted(data["runs"], key=lambda r: r["impl"] == "ddp")
+    assert plain["eval_acc"] == pytest.approx(ddp["eval_acc"], abs=0.02)  # same data, init and update rule

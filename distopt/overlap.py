@@ -33,6 +33,15 @@ from .buckets import Bucket, unpack
 __all__ = ["BucketPipeline", "Codec", "DenseCodec", "HalfCodec", "float_buckets"]
 
 
+#: Reductions started after backward that may be in flight at once.
+IN_FLIGHT = 2
+
+
+def _handle(started: Any) -> Any:
+    """The handle inside what a codec's ``start`` returned."""
+    return started[1] if isinstance(started, tuple) else started
+
+
 class _ThreadHandle:
     """A blocking all-reduce run on a worker thread."""
 
@@ -161,19 +170,25 @@ class BucketPipeline:
         self._put(index, grad)
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._start(self.next)
-        for handle in self.started.values():  # MPI progress while backward runs
-            getattr(handle[1] if isinstance(handle, tuple) else handle, "test", lambda: None)()
+        for started in self.started.values():  # MPI progress while backward runs
+            _handle(started).test()
 
     def _start(self, b: int) -> None:
         self.started[b] = self.codec.start(self.comm, self.flats[b], self._launch)
         self.next = b + 1
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
-        """Start every bucket not started yet, in order; missing gradients pack as zeros."""
+        """Start every bucket not started yet, in order; missing gradients pack as zeros.
+
+        At most :data:`IN_FLIGHT` reductions run at once from here on: MPI
+        moves many concurrent large all-reduces slower than a short queue.
+        """
         for index in self.where:
             if index not in self.marked:
                 self._put(index, grads[index])
         while self.next < len(self.buckets):
+            if self.next >= IN_FLIGHT:
+                _handle(self.started[self.next - IN_FLIGHT]).wait()
             self._start(self.next)
 
     def finish(self, grads: list[Any], divisor: int) -> int:
@@ -200,8 +215,7 @@ class BucketPipeline:
     def abandon(self) -> None:
         """Complete in-flight reductions without using them (after a skipped step)."""
         for b in range(self.next):
-            started = self.started[b]
-            (started[1] if isinstance(started, tuple) else started).wait()
+            _handle(self.started[b]).wait()
 
 
 def float_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:

@@ -44,6 +44,8 @@ _MPI_TYPES: dict[np.dtype, Any] = {
 }
 _NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+#: Seconds a wait polls MPI without sleeping before it starts backing off.
+BUSY_POLL = 0.02
 _KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
 
 
@@ -153,14 +155,16 @@ class MPICommunicator:
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, request: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        spins = 0
+        # MPI advances a non-blocking collective only inside MPI calls: poll without sleeping for
+        # BUSY_POLL seconds, then back off (yielding the core to oversubscribed ranks), bounded
+        start = time.monotonic()
+        deadline = start + self.timeout
         delay = 0.0
         while not request.Test():
-            spins += 1
-            if spins < 2000:
+            now = time.monotonic()
+            if now - start < BUSY_POLL:
                 continue
-            if time.monotonic() > deadline:
+            if now > deadline:
                 self._broken = what
                 raise CollectiveTimeoutError(
                     f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
@@ -168,7 +172,7 @@ class MPICommunicator:
                     "of steps; the communicator is unusable now"
                 )
             time.sleep(delay)
-            delay = min(1e-3, delay * 2 + 1e-5)
+            delay = min(2e-4, delay * 2 + 1e-5)
 
     def _missing_report(self, per_rank_s: float = 1.0) -> str:
         """Read every rank's (seq, kind) from the side channel: who has not reached this collective."""

@@ -9,6 +9,7 @@ turns into an error long before the outer limit.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -30,6 +31,15 @@ def mpiexec() -> str:
     if found is None:
         raise RuntimeError("mpiexec not found: pip install 'distopt[mpich]' or install an MPI runtime")
     return found
+
+
+@functools.lru_cache(maxsize=1)
+def _launcher_flags() -> tuple[str, ...]:
+    """``-l`` (rank-prefixed lines) for MPICH's Hydra; Open MPI (e.g. on a GPU machine) takes other flags."""
+    version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        return ("--allow-run-as-root", "--oversubscribe")  # no rank prefixes: only exit codes are checked there
+    return ("-l",)
 
 
 def _stall_report(progress: Path, n: int) -> str:
@@ -60,7 +70,7 @@ def run_job(argv: list[str], n: int, timeout: float, *, collective_timeout: floa
         "PYTHONUNBUFFERED": "1",
     })
     full_env.update(env or {})
-    cmd = [mpiexec(), "-l", "-n", str(n), *argv]
+    cmd = [mpiexec(), *_launcher_flags(), "-n", str(n), *argv]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -394,7 +394,8 @@ def test_gpu_densify_matches_numpy(cp):
     val = rng.standard_normal(1000).astype(np.float32)
     got = densify(cp.asarray(idx), cp.asarray(val), 100)
     assert got.dtype == np.float32
-    np.testing.assert_allclose(cp.asnumpy(got), densify(idx, val, 100), rtol=1e-6)
+    # float32 sums of ~10 values each; CuPy's atomic adds take another order: last-bit differences
+    np.testing.assert_allclose(cp.asnumpy(got), densify(idx, val, 100), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

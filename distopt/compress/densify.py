@@ -61,12 +61,7 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None) -> Any:
     # a float64 scratch of n elements would cost more than the exchange it serves
     acc = np.float64 if np.dtype(values.dtype) == np.float64 or dtype == np.float64 else np.float32
     dense = mod.zeros(n, dtype=acc)
-    if mod is np:
-        np.add.at(dense, indices, values.astype(acc, copy=False))
-    else:
-        import cupyx
-
-        cupyx.scatter_add(dense, indices, values.astype(acc, copy=False))
+    mod.add.at(dense, indices, values.astype(acc, copy=False))  # NumPy, and CuPy >= 13 (atomic adds)
     return dense.astype(dtype, copy=False)
 
 

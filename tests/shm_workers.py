@@ -106,3 +106,33 @@ def log_worker(nccl_id, rank: int, size: int) -> None:
     log = logging.getLogger("distopt")
     log.info("starting on %d ranks", size)
     log.warning("warning from rank %d", rank)
+
+
+def run_with_killed_rank(target, args_of, nprocs: int, survivors: list[int], wait_s: float = 40.0):
+    """Start ``nprocs`` spawned workers ``target(*args_of(rank, results))`` without fail-fast; collect one
+    ``(rank, text, seconds)`` report from each survivor; reap every worker. Returns (outcomes, processes)."""
+    import multiprocessing
+    import queue
+
+    import pytest
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args_of(r, results)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, float]] = {}
+    try:
+        for _ in survivors:
+            try:
+                rank, text, secs = results.get(timeout=wait_s)
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted(set(survivors) - set(outcomes))} reported nothing within {wait_s:.0f} s")
+            outcomes[rank] = (text, secs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    return outcomes, procs

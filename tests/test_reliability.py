@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from distopt.launch import WorkerFailedError, spawn
 from distopt.nccl_id import NcclIdHolder
 from tests.faults import shm_faults
 from tests.harness import MPI_DIR, run_job
-from tests.shm_workers import job_segments
+from tests.shm_workers import job_segments, run_with_killed_rank
 
 FAULTS = Path(__file__).resolve().parent / "faults"
 DEADLINE = 3.0  # collective timeout where a timeout is the expected outcome
@@ -207,26 +206,10 @@ def test_sigkill_shm_survivors_name_dead_rank(tmp_path):
     The collective deadline is 10 s; the shm backend's liveness check must
     notice the exit well before it.
     """
-    ctx = _spawn_ctx()
-    holder, results = NcclIdHolder(), ctx.Queue()
-    procs = [ctx.Process(target=shm_faults.sigkill_worker, args=(holder, r, 3, 20, 5, 10.0, str(tmp_path), results))
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    outcomes = {}
-    try:
-        for _ in range(2):
-            try:
-                rank, text, secs = results.get(timeout=40)
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted({0, 2} - set(outcomes))} reported nothing within 40 s")
-            outcomes[rank] = (text, secs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+    holder = NcclIdHolder()
+    outcomes, procs = run_with_killed_rank(
+        shm_faults.sigkill_worker, lambda r, results: (holder, r, 3, 20, 5, 10.0, str(tmp_path), results), 3,
+        survivors=[0, 2])
     assert sorted(outcomes) == [0, 2]
     assert procs[1].exitcode == -9
     for rank, (text, secs) in outcomes.items():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import queue
 
 import numpy as np
 import pytest
@@ -46,26 +45,9 @@ def test_registry_and_local_checks():
 @pytest.mark.timeout(60)
 def test_dead_peer_is_named_promptly():
     """Rank 1 is SIGKILLed mid-sequence: ranks 0 and 2 raise naming it, long before the timeout."""
-    ctx = multiprocessing.get_context("spawn")
-    holder, results = NcclIdHolder(), ctx.Queue()
-    procs = [ctx.Process(target=shm_workers.dead_peer_worker, args=(holder, r, 3, results))
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    outcomes = {}
-    try:
-        for _ in range(2):
-            try:
-                rank, text, secs = results.get(timeout=40)
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted({0, 2} - set(outcomes))} reported nothing within 40 s")
-            outcomes[rank] = (text, secs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+    holder = NcclIdHolder()
+    outcomes, _ = shm_workers.run_with_killed_rank(
+        shm_workers.dead_peer_worker, lambda r, results: (holder, r, 3, results), 3, survivors=[0, 2])
     assert sorted(outcomes) == [0, 2]
     for rank, (text, secs) in outcomes.items():
         assert "rank 1 (pid" in text and "has exited" in text, f"rank {rank}: {text}"

@@ -105,3 +105,21 @@ def test_torch_cuda_overlap_matches_post_backward(comm):  # noqa: ARG001 (fixtur
         opt.close()
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def test_host_wait_bounded_and_aborts(comm):  # noqa: ARG001 (fixture: skips without a GPU)
+    """Host waits are bounded: with the device still busy past the deadline, barrier() aborts and raises."""
+    from distopt.comm.nccl import NcclCommunicator, new_unique_id
+    from distopt.errors import CollectiveTimeoutError
+
+    c = NcclCommunicator(rank=0, size=1, unique_id=new_unique_id(), device=0, timeout=5)
+    flags = np.array([1, 2, 3], dtype=np.int32)
+    c.all_reduce(flags)  # a host array: staged through the device, bounded host wait
+    np.testing.assert_array_equal(flags, [1, 2, 3])
+    a = cupy.random.rand(8192, 8192, dtype=cupy.float32)
+    for _ in range(5):  # ~0.1 s of queued device work, enqueued without waiting
+        a = a @ a
+    c.timeout = 0.0
+    with pytest.raises(CollectiveTimeoutError, match="aborted"):
+        c.barrier()
+    c.close()  # idempotent after the abort

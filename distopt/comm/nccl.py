@@ -15,6 +15,7 @@ two ranks on one GPU ("Duplicate GPU detected").
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ try:
 except ImportError as exc:  # turned into BackendUnavailableError by distopt.comm.create
     raise ImportError(f"the NCCL backend needs CuPy with NCCL: {exc}") from exc
 
-from .base import check_reduce_args
+from ..errors import CollectiveTimeoutError, DistOptError
+from .base import check_reduce_args, default_timeout
 
 __all__ = ["NcclCommunicator", "unique_id_from_mpi", "new_unique_id"]
 
@@ -87,8 +89,13 @@ class NcclCommunicator:
         unique_id: the NCCL unique id shared by all ranks (see
             :func:`new_unique_id`, :class:`distopt.nccl_id.NcclIdHolder`).
         device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``).
-        timeout: accepted for protocol symmetry; NCCL waits are not bounded
-            by distopt yet.
+        timeout: deadline in seconds of every host-side wait (default
+            ``$DISTOPT_TIMEOUT`` or 300). Device-side, collectives are only
+            enqueued; wherever the host waits for one (host arrays, counts,
+            ``barrier``, ``close``) it polls a CUDA event and NCCL's
+            asynchronous error, and on an error or the deadline it aborts the
+            NCCL communicator (``ncclCommAbort``) so that no kernel stays
+            blocked, then raises.
     """
 
     name = "nccl"
@@ -99,11 +106,42 @@ class NcclCommunicator:
             raise ValueError("unique_id is required for the NCCL backend (an NcclIdHolder carrying an NCCL id)")
         self.rank = int(rank)
         self.size = int(size)
-        self.timeout = timeout
+        self.timeout = default_timeout() if timeout is None else float(timeout)
         self.device = cupy.cuda.Device(device)
         self.device.use()
         self._comm = _open(self.size, unique_id, self.rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)
+
+    def _host_wait(self, what: str) -> None:
+        """Wait on the host until the caller's stream has passed the last collective, bounded.
+
+        Raises:
+            DistOptError: NCCL reported an asynchronous error (the
+                communicator is aborted).
+            CollectiveTimeoutError: the deadline passed (the communicator is
+                aborted, so no rank stays blocked in a kernel).
+        """
+        done = cupy.cuda.get_current_stream().record()
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while not done.done:
+            try:
+                self._comm.check_async_error()
+            except nccl.NcclError as exc:
+                self._abort()
+                raise DistOptError(f"{what} on rank {self.rank}: NCCL error {exc}; communicator aborted") from exc
+            if time.monotonic() > deadline:
+                self._abort()
+                raise CollectiveTimeoutError(
+                    f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
+                    "stuck, or ran a different number of steps); NCCL communicator aborted")
+            time.sleep(delay)
+            delay = min(1e-3, delay * 2 + 1e-5)
+
+    def _abort(self) -> None:
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
 
     def _run(self, fn: Any) -> None:
         """Run ``fn(stream_ptr)`` on the comm stream, ordered after and before the caller's stream."""
@@ -128,7 +166,9 @@ class NcclCommunicator:
         staged through the device and copied back, synchronously.
         """
         if isinstance(array, np.ndarray):
-            array[...] = self.all_reduce(cupy.asarray(array), op).get()
+            staged = self.all_reduce(cupy.asarray(array), op)
+            self._host_wait(f"all_reduce of {array.size} host elements")
+            array[...] = staged.get()
             return array
         check_reduce_args(array, op)
         dtype = self._check(array)
@@ -150,7 +190,9 @@ class NcclCommunicator:
     def broadcast(self, array: Any, root: int = 0) -> Any:
         """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
         if isinstance(array, np.ndarray):
-            array[...] = self.broadcast(cupy.asarray(array), root).get()
+            staged = self.broadcast(cupy.asarray(array), root)
+            self._host_wait(f"broadcast of {array.size} host elements")
+            array[...] = staged.get()
             return array
         dtype = self._check(array)
         if array.size:
@@ -160,7 +202,9 @@ class NcclCommunicator:
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
         if isinstance(array, np.ndarray):
-            return self.all_gather(cupy.asarray(array)).get()
+            staged = self.all_gather(cupy.asarray(array))
+            self._host_wait(f"all_gather of {array.size} host elements")
+            return staged.get()
         dtype = self._check(array)
         src = cupy.ascontiguousarray(array)
         out = cupy.empty((self.size, *array.shape), dtype=array.dtype)
@@ -174,7 +218,7 @@ class NcclCommunicator:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
         if isinstance(array, np.ndarray):
             return [part.get() for part in self.all_gather_v(cupy.asarray(array))]
-        counts = self.all_gather(cupy.array([array.size], dtype=cupy.int64)).get().reshape(-1)
+        counts = self.all_gather(np.array([array.size], dtype=np.int64)).reshape(-1)
         padded = cupy.zeros(int(counts.max(initial=0)), dtype=array.dtype)
         padded[:array.size] = array
         gathered = self.all_gather(padded)
@@ -183,11 +227,11 @@ class NcclCommunicator:
     def barrier(self) -> None:
         """All-reduce one element and wait for it on the host."""
         self.all_reduce(cupy.zeros(1, dtype=cupy.float32))
-        cupy.cuda.get_current_stream().synchronize()
+        self._host_wait("barrier")
 
     def close(self) -> None:
-        """Destroy the NCCL communicator (idempotent)."""
+        """Destroy the NCCL communicator (idempotent); a pending collective is waited for, bounded."""
         if self._comm is not None:
-            self._stream.synchronize()
+            self._host_wait("close")
             self._comm.destroy()
             self._comm = None

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._array import xp_of
+
 __all__ = ["Slot", "Bucket", "plan_buckets", "unpack"]
 
 
@@ -110,11 +112,20 @@ def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: i
     return [bucket for _, bucket in sorted(buckets, key=lambda pb: pb[0])]
 
 
-def unpack(bucket: Bucket, flat: Any, arrays: list[Any]) -> None:
-    """Write a bucket's flat buffer back into ``arrays`` (by slot index); a None entry gets a new array."""
+def unpack(bucket: Bucket, flat: Any, arrays: list[Any], divisor: int = 1) -> None:
+    """Write a bucket's flat buffer, divided by ``divisor``, back into ``arrays`` (by slot index).
+
+    A None entry gets a new array. Dividing here saves a separate pass over
+    the bucket; the result equals dividing the buffer first.
+    """
     for s in bucket.slots:
         part = flat[s.offset:s.offset + s.size].reshape(s.shape)
-        if arrays[s.index] is None:
-            arrays[s.index] = part.copy()
+        target = arrays[s.index]
+        if target is None:
+            arrays[s.index] = part / divisor if divisor != 1 else part.copy()
+        elif divisor == 1:
+            target[...] = part
+        elif target.flags.c_contiguous:
+            xp_of(target).divide(part, divisor, out=target)
         else:
-            arrays[s.index][...] = part
+            target[...] = part / divisor

@@ -78,7 +78,8 @@ class DenseCodec(Codec):
 
     def finish(self, flat: Any, started: Any, divisor: int) -> None:
         started.wait()
-        flat /= divisor
+        if divisor != 1:
+            flat /= divisor
 
 
 class HalfCodec(Codec):
@@ -200,10 +201,11 @@ class BucketPipeline:
         sent = 0
         for b, bucket in enumerate(self.buckets):
             flat = self.flats[b]
-            self.codec.finish(flat, self.started[b], divisor)
+            fold = isinstance(self.codec, DenseCodec) and not self.views[b]  # divide while unpacking
+            self.codec.finish(flat, self.started[b], 1 if fold else divisor)
             sent += self.codec.wire_bytes(flat)
             if not self.views[b]:
-                unpack(bucket, flat, grads)
+                unpack(bucket, flat, grads, divisor if fold else 1)
         return sent
 
     def drain(self) -> None:

@@ -493,7 +493,7 @@ class DistOpt:
                   predivide: float | None = None) -> None:
         """Like :meth:`step`, but gradients travel as 16-bit floats.
 
-        See :func:`distopt.strategies.average_half` for the scaling rule
+        See :class:`distopt.overlap.HalfCodec` for the scaling rule
         (``predivide``: default world size, no overflow; 1 keeps tiny
         gradients, may overflow) and what goes on the wire (2 bytes per
         element).

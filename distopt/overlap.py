@@ -83,7 +83,22 @@ class DenseCodec(Codec):
 
 
 class HalfCodec(Codec):
-    """The bucket travels as float16/bfloat16, pre-divided (see :func:`distopt.strategies.average_half`)."""
+    """The bucket travels as float16/bfloat16 (SINGA's ``backward_and_update_half``).
+
+    Steps: optional element clipping to ``[-clip, clip]`` (as the seed's
+    ``clipping``), scale by ``1/predivide``, cast to ``wire``, sum-all-reduce
+    in the wire dtype, cast back to the bucket's dtype, scale by
+    ``predivide/divisor`` (the contributing ranks). With the default
+    ``predivide = world_size`` the sum cannot exceed the largest rank's
+    value, so 4 ranks each sending 40000 average to 40000, not inf (Horovod
+    #1699, PyTorch #57410; shared case H06); ``predivide=1`` keeps small
+    gradients from flushing to zero (H07) at the risk of overflow (fairscale
+    PR 565 splits the factor).
+
+    What travels: 2 bytes per element. On the MPI backend float16/bfloat16
+    move as 16-bit words reduced by a user-defined op that adds in float32
+    and rounds once per combination; NCCL reduces float16 natively.
+    """
 
     def __init__(self, world_size: int, wire: str, predivide: float | None, clip: float | None) -> None:
         from .compress import half_scales

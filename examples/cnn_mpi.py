@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import add_common_args, epoch_summary, print_epoch, say
+from common import add_common_args, epoch_summary, print_epoch, say, shards
 from fashion_mnist import check_dir, load
 from torch import nn
 from tqdm import tqdm
@@ -138,10 +138,7 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
 
     train_x, train_y = torch.from_numpy(train_x).to(device), torch.from_numpy(train_y).to(device)
     test_x, test_y = torch.from_numpy(test_x).to(device), torch.from_numpy(test_y).to(device)
-    sampler = distopt.DistributedSampler(len(train_x), args.batch_size, rank, world, seed=args.seed)
-    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
-    n_eval = len(test_x) if args.eval_limit is None else min(len(test_x), args.eval_limit)
-    eval_idx = distopt.eval_partition_indices(n_eval, rank, world)
+    sampler, steps, eval_idx = shards(args, len(train_x), len(test_x), rank, world)
 
     history = []
     for epoch in range(args.epochs):

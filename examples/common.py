@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from fashion_mnist import add_data_args
 
-__all__ = ["add_common_args", "epoch_summary", "say", "print_epoch"]
+__all__ = ["add_common_args", "shards", "epoch_summary", "say", "print_epoch"]
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, lr: float) -> None:
@@ -34,6 +34,17 @@ def add_common_args(parser: argparse.ArgumentParser, *, lr: float) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the initial weights and of the shuffling (same on every rank)")
     add_data_args(parser)
+
+
+def shards(args: argparse.Namespace, n_train: int, n_test: int, rank: int, world: int) -> tuple[Any, int, Any]:
+    """This rank's per-epoch training sampler, its step count (capped by ``--max-steps``) and its
+    evaluation indices (the first ``--eval-limit`` test samples, split without duplicates)."""
+    import distopt
+
+    sampler = distopt.DistributedSampler(n_train, args.batch_size, rank, world, seed=args.seed)
+    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
+    n_eval = n_test if args.eval_limit is None else min(n_test, args.eval_limit)
+    return sampler, steps, distopt.eval_partition_indices(n_eval, rank, world)
 
 
 def epoch_summary(totals: Mapping[str, float], prefix: str) -> dict[str, float]:

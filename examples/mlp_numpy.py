@@ -29,7 +29,7 @@ import time  # noqa: E402
 from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
-from common import add_common_args, epoch_summary, print_epoch, say  # noqa: E402
+from common import add_common_args, epoch_summary, print_epoch, say, shards  # noqa: E402
 from fashion_mnist import check_dir, load  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -124,10 +124,7 @@ def train(args: argparse.Namespace, opt: distopt.DistOpt | None = None) -> list[
     rank, world = opt.global_rank, opt.world_size
     update = UPDATES[args.dist_option]
 
-    sampler = distopt.DistributedSampler(len(train_x), args.batch_size, rank, world, seed=args.seed)
-    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
-    n_eval = len(test_x) if args.eval_limit is None else min(len(test_x), args.eval_limit)
-    eval_idx = distopt.eval_partition_indices(n_eval, rank, world)
+    sampler, steps, eval_idx = shards(args, len(train_x), len(test_x), rank, world)
 
     history = []
     for epoch in range(args.epochs):

@@ -23,6 +23,15 @@ from tests import conformance
 TIMEOUT = 10.0
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a reaped worker does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def job_segments(job_id: str) -> list[str]:
     """Names in /dev/shm that belong to ``job_id``."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(segment_prefix(job_id)))

@@ -17,7 +17,7 @@ import pytest
 from distopt.launch import WorkerFailedError, progress, spawn
 from distopt.nccl_id import NcclIdHolder
 from tests import shm_workers
-from tests.shm_workers import job_segments
+from tests.shm_workers import job_segments, pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,14 +37,6 @@ CLI_SCRIPT = textwrap.dedent("""
         comm.all_reduce(a)
     print(f"rank {rank} sum {a[0]:g} job {os.environ['DISTOPT_JOB_ID']}", flush=True)
 """)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_nccl_id_holder_pickles():
@@ -77,7 +69,7 @@ def test_fail_fast_h02(tmp_path):
     assert str(err).startswith("rank 1 raised an exception")
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
     assert len(pids) == 3
-    assert not [pid for pid in pids if _alive(pid)], "worker processes left running"
+    assert not [pid for pid in pids if pid_alive(pid)], "worker processes left running"
     assert job_segments(holder.job_id) == []
 
 

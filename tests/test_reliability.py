@@ -36,7 +36,7 @@ from distopt.launch import WorkerFailedError, spawn
 from distopt.nccl_id import NcclIdHolder
 from tests.faults import shm_faults
 from tests.harness import MPI_DIR, run_job
-from tests.shm_workers import job_segments, run_with_killed_rank
+from tests.shm_workers import job_segments, pid_alive, run_with_killed_rank
 
 FAULTS = Path(__file__).resolve().parent / "faults"
 DEADLINE = 3.0  # collective timeout where a timeout is the expected outcome
@@ -91,14 +91,6 @@ def _results(out: str) -> dict[int, str]:
             assert int(m.group(1)) == rank
             found[rank] = m.group(2)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _pids(pid_dir: Path) -> list[int]:
@@ -168,7 +160,7 @@ def test_h02_shm_spawn_distopt_worker_raises(tmp_path):
     assert "ValueError: boom" in err.traceback and "boom_worker" in err.traceback
     pids = _pids(tmp_path)
     assert len(pids) == 3
-    assert not [pid for pid in pids if _alive(pid)], "worker processes left running"
+    assert not [pid for pid in pids if pid_alive(pid)], "worker processes left running"
     assert job_segments(holder.job_id) == []
 
 
@@ -195,7 +187,7 @@ def test_sigkill_mid_training_shm_spawn(tmp_path):
         spawn(shm_faults.sigkill_worker, 3, (20, 5, DEADLINE, str(tmp_path)), nccl_id=holder, timeout=50)
     assert time.monotonic() - start < JOB_LIMIT
     assert info.value.rank == 1 and info.value.exitcode == -9
-    assert not [pid for pid in _pids(tmp_path) if _alive(pid)], "worker processes left running"
+    assert not [pid for pid in _pids(tmp_path) if pid_alive(pid)], "worker processes left running"
     assert job_segments(holder.job_id) == []
 
 

@@ -27,21 +27,6 @@ from distopt.comm.mpi import MPICommunicator
 from tests import models
 
 
-@pytest.fixture
-def make(world):
-    """Factory of DistOpt instances, all closed at the end of the test."""
-    made = []
-
-    def build(sgd=None, **kwargs):
-        opt = DistOpt(sgd if sgd is not None else SGD(lr=1.0), **kwargs)
-        made.append(opt)
-        return opt
-
-    yield build
-    for opt in made:
-        opt.close()
-
-
 def _grad(step: int, rank: int, n: int = 16) -> np.ndarray:
     return np.random.default_rng(100 * step + rank).standard_normal(n).astype(np.float32)
 

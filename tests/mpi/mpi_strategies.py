@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from distopt import SGD, CollectiveMismatchError, DistOpt
-from distopt.comm.mpi import MPICommunicator
 
 PAIR = 4 + 4  # bytes per (int32 index, float32 value)
 
@@ -30,58 +29,6 @@ def dense_transport(n: int, k: int, world) -> bool:
 
 
 # ------------------------------------------------------------------ helpers
-@pytest.fixture
-def make(world):
-    """Factory of DistOpt instances, all closed at the end of the test."""
-    made = []
-
-    def build(sgd=None, *, record=False, **kwargs):
-        if record:
-            kwargs["comm"] = Recording(MPICommunicator())
-        opt = DistOpt(sgd if sgd is not None else SGD(lr=1.0), **kwargs)
-        made.append(opt)
-        return opt
-
-    yield build
-    for opt in made:
-        opt.close()
-
-
-class Recording:
-    """A communicator that forwards to another and records every call."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.rank, self.size, self.name = inner.rank, inner.size, inner.name
-        self.calls: list[tuple[str, int]] = []
-        self.gathered: list[np.ndarray] = []  # what this rank handed to all_gather / all_gather_v
-
-    def all_reduce(self, array, op="sum"):
-        self.calls.append(("all_reduce", array.size))
-        return self.inner.all_reduce(array, op=op)
-
-    def broadcast(self, array, root=0):
-        self.calls.append(("broadcast", array.size))
-        return self.inner.broadcast(array, root=root)
-
-    def all_gather(self, array):
-        self.calls.append(("all_gather", array.size))
-        self.gathered.append(array.copy())
-        return self.inner.all_gather(array)
-
-    def all_gather_v(self, array):
-        self.calls.append(("all_gather_v", array.size))
-        self.gathered.append(array.copy())
-        return self.inner.all_gather_v(array)
-
-    def barrier(self):
-        self.calls.append(("barrier", 0))
-        return self.inner.barrier()
-
-    def close(self):
-        return self.inner.close()
-
-
 def same_everywhere(world, arrays) -> bool:
     """True when every rank holds bitwise-identical ``arrays`` (same dtypes, shapes, bytes)."""
     mine = [(a.dtype.str, a.shape, a.tobytes()) for a in arrays]
@@ -108,7 +55,7 @@ def need_even(world):
         pytest.skip("needs an even world size")
 
 
-def gathered_indices(rec: Recording) -> list[np.ndarray]:
+def gathered_indices(rec) -> list[np.ndarray]:  # rec: the conftest's Recording communicator
     """Integer arrays this rank handed to the gathers (the sparse indices)."""
     return [a for a in rec.gathered if a.dtype == np.int32]
 

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def prepare(opt: Any = opt) -> None:
                 restore()
-                for r in opt.residuals.buffers.values():
+                residuals = getattr(opt.active_strategy, "residuals", None)
+                for r in residuals.buffers.values() if residuals is not None else ():
                     r[...] = 0
             variants.append(Variant(key, call, prepare=prepare, stats=opt.stats, close=opt.close))
 

@@ -10,7 +10,7 @@ class GradientAccumulator:
     """Sums gradients of ``k`` micro-batches locally; releases their MEAN on the k-th.
 
     The mean (not the sum) is released so that the effective learning rate
-    does not grow with ``k`` (DeepSpeed #7773; shared case H27). Nothing is
+    does not grow with ``k`` (DeepSpeed #7773). Nothing is
     communicated while accumulating: one all-reduce per ``k`` micro-batches.
 
     Args:

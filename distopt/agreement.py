@@ -1,6 +1,6 @@
 """Checks that every rank holds the same parameters and strategy settings.
 
-Shared case H03 (NCCL #1417, #1394): buffers that differ across ranks either
+NCCL #1417 and #1394: buffers that differ across ranks either
 hang or return a mix of reduced and unreduced values. distopt compares a
 short digest every step and, when digests differ, the full descriptions,
 raising :class:`~distopt.errors.CollectiveMismatchError` on every rank with

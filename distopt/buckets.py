@@ -16,7 +16,7 @@ import numpy as np
 
 from ._array import xp_of
 
-__all__ = ["Slot", "Bucket", "plan_buckets", "unpack"]
+__all__ = ["Slot", "Bucket", "plan_buckets", "pack", "put", "unpack", "is_float"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,43 @@ def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: i
     for dtype in list(open_slots):
         flush(dtype)
     return [bucket for _, bucket in sorted(buckets, key=lambda pb: pb[0])]
+
+
+def is_float(array: Any) -> bool:
+    """True for floating-point arrays and dtypes (bfloat16 included): the ones a step reduces."""
+    dtype = getattr(array, "dtype", array)
+    return np.dtype(dtype).kind == "f" or str(dtype) == "bfloat16"
+
+
+def pack(bucket: Bucket, arrays: Sequence[Any], buffer: Any = None) -> tuple[Any, bool]:
+    """The bucket's flat buffer: ``(flat, viewed)``.
+
+    A lone C-contiguous array is returned as a flat view (``viewed=True``:
+    the collective then works on the array itself, no copy). Otherwise the
+    arrays are copied into ``buffer`` (a 1-D array of ``bucket.size``
+    elements of ``bucket.dtype``; None allocates one like the first array),
+    a None entry packed as zeros.
+
+    Raises:
+        ValueError: ``buffer`` does not have ``bucket.size`` elements.
+    """
+    if bucket.alone:
+        a = arrays[bucket.slots[0].index]
+        if a is not None and a.flags.c_contiguous:
+            return a.reshape(-1), True
+    if buffer is None:
+        ref = next((arrays[s.index] for s in bucket.slots if arrays[s.index] is not None), None)
+        buffer = (np if ref is None else xp_of(ref)).empty(bucket.size, dtype=bucket.dtype)
+    elif buffer.size != bucket.size:
+        raise ValueError(f"buffer has {buffer.size} elements, the bucket needs {bucket.size}")
+    for s in bucket.slots:
+        put(buffer, s, arrays[s.index])
+    return buffer, False
+
+
+def put(flat: Any, slot: Slot, array: Any) -> None:
+    """Copy one array into its slot of a packed flat buffer (None: zeros)."""
+    flat[slot.offset:slot.offset + slot.size] = 0 if array is None else array.reshape(-1)
 
 
 def unpack(bucket: Bucket, flat: Any, arrays: list[Any], divisor: int = 1) -> None:

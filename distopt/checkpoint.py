@@ -1,4 +1,4 @@
-"""Checkpoints that one rank writes and every rank reads (shared case H24).
+"""Checkpoints that one rank writes and every rank reads.
 
 ``save`` writes the file from global rank 0 only (never one writer per node:
 apex #886), atomically (a temporary file in the same directory, then
@@ -57,7 +57,7 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
     """
     path = Path(path)
     state = opt.state_dict()
-    residuals = state.pop("residuals", {})
+    residuals = state.pop("rank_local", {})
     wrote = opt.rank_in_global == 0
     if wrote:
         _write_atomically(path, {"model": model_state, "opt": state, "world_size": opt.world_size})
@@ -89,9 +89,9 @@ def load(path: str | os.PathLike, opt: Any) -> Any:
     rpath = _residual_path(path, opt.rank_in_global)
     if rpath.exists():
         with open(rpath, "rb") as f:
-            state["residuals"] = pickle.load(f)
+            state["rank_local"] = pickle.load(f)
     else:
-        state["residuals"] = {}
+        state["rank_local"] = {}
         log.info("no residual file %s: error-feedback residuals start at zero", rpath)
     opt.load_state_dict(state)
     return payload["model"]

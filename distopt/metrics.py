@@ -18,7 +18,7 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
     Every rank must call this with the same keys (in any order): the values
     travel in one float64 all-reduce of ``len(metrics)`` elements, sorted by
     key. A ratio metric (accuracy) must be computed from summed numerator and
-    denominator, never by averaging per-rank ratios (shared case H25).
+    denominator, never by averaging per-rank ratios.
 
     Args:
         comm: the communicator.

@@ -9,7 +9,9 @@ copies. The averaged gradient is written back into ``param.grad`` and
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from .local import LocalOptimizer
 
 __all__ = ["is_torch_optimizer", "TorchOptimizer", "as_array"]
 
@@ -37,11 +39,18 @@ def as_array(tensor: Any) -> Any:
     return tensor.numpy()
 
 
-class TorchOptimizer:
-    """The local-optimizer side of DistOpt for a ``torch.optim.Optimizer``."""
+class TorchOptimizer(LocalOptimizer):
+    """The local-optimizer side of DistOpt for a ``torch.optim.Optimizer``.
+
+    With overlap, a post-accumulate-grad hook on every parameter that
+    requires a gradient hands the final ``.grad`` to the step's bucket
+    pipeline while backward runs.
+    """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self._hooked: set[int] = set()
+        self._armed: tuple[Any, dict[int, int]] | None = None
 
     def params(self) -> list[Any]:
         """The optimizer's parameters, group by group, in a fixed order."""
@@ -55,12 +64,40 @@ class TorchOptimizer:
         """Array views of ``param.grad`` (None where a parameter has no gradient)."""
         return [None if p.grad is None else as_array(p.grad) for p in self.params()]
 
+    def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
+        loss.backward()
+        return self.arrays(), self.grads()
+
+    def _on_grad(self, param: Any) -> None:
+        """Post-accumulate-grad hook: hand a final gradient to the armed pipeline."""
+        if self._armed is not None:
+            pipeline, index_of = self._armed
+            index = index_of.get(id(param))
+            if index is not None:
+                pipeline.ready(index, as_array(param.grad))
+
+    def overlapped_backward(self, loss: Any, begin: Callable[[list[Any]], Any]
+                            ) -> tuple[list[Any], list[Any], Any] | None:
+        tensors = self.params()
+        if not all(hasattr(t, "register_post_accumulate_grad_hook") for t in tensors):
+            return None  # PyTorch older than 2.1
+        for t in tensors:
+            if t.requires_grad and id(t) not in self._hooked:
+                t.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooked.add(id(t))
+        pipeline = begin(self.arrays())
+        self._armed = (pipeline, {id(t): i for i, t in enumerate(tensors)})
+        try:
+            loss.backward()
+        finally:
+            self._armed = None
+        return self.arrays(), self.grads(), pipeline
+
     def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:  # noqa: ARG002
         """Install the averaged gradients and run ``optimizer.step()``.
 
         Args:
-            params: ignored (the optimizer knows its tensors); kept for the
-                common local-optimizer interface.
+            params: ignored (the optimizer knows its tensors).
             grads: averaged gradient arrays (those that were views of
                 ``.grad`` already hold the average; new ones are installed).
             present: False where no rank had a gradient: ``.grad`` is set to

@@ -626,7 +626,9 @@ def test_mkdocs_build_strict(site: Path):
 REFERENCED_MODULES = ["distopt", "distopt.comm", "distopt.comm.base", "distopt.comm.mpi", "distopt.comm.shm",
                       "distopt.ranks", "distopt.data", "distopt.metrics", "distopt.launch", "distopt.checkpoint",
                       "distopt.compress", "distopt.strategies", "distopt.torch", "distopt.optim", "distopt.errors",
-                      "distopt.nccl_id", "distopt.world", "distopt.overlap"]
+                      "distopt.nccl_id", "distopt.world", "distopt.engine", "distopt.pipeline",
+                      "distopt.local", "distopt.counters", "distopt.singa", "distopt.collectives",
+                      "distopt.strategy_set"]
 
 
 def test_reference_covers_public_names(site: Path):

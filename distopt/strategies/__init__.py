@@ -1,11 +1,15 @@
-"""Per-bucket averaging strategies: sparsified and partial (plain and half: :mod:`distopt.overlap`).
+"""Strategies: how gradients (or parameters) are averaged across ranks, one module each.
 
-Each function takes a communicator and one flat gradient (or parameter)
-bucket and averages it across ranks in place, returning the bytes this rank
-handed to the collectives. State (error-feedback residuals, the partial
-cursor) lives in explicit objects with ``state_dict``/``load_state_dict``.
+:class:`Strategy` is the interface the step engine drives; :class:`Dense`
+(plain all-reduce, the default), :class:`Half` (16-bit wire),
+:class:`Sparse` (top-K / threshold with error feedback) and
+:class:`Partial` (one chunk of parameters per step) implement it.
 """
-from .partial import ChunkCursor
-from .sparse import Residuals, average_sparse
+from .base import BucketContext, Done, Strategy, UpdateContext
+from .dense import Dense
+from .half import Half
+from .partial import ChunkCursor, Partial
+from .sparse import Residuals, Sparse, average_sparse
 
-__all__ = ["average_sparse", "Residuals", "ChunkCursor"]
+__all__ = ["Strategy", "BucketContext", "UpdateContext", "Done", "Dense", "Half", "Sparse", "Partial",
+           "ChunkCursor", "Residuals", "average_sparse"]

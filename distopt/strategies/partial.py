@@ -9,16 +9,19 @@ averaged once. Related to local SGD / periodic model averaging
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
-__all__ = ["ChunkCursor"]
+from ..buckets import plan_buckets
+from .base import BucketContext, Done, Strategy, UpdateContext
+
+__all__ = ["Partial", "ChunkCursor"]
 
 
 class ChunkCursor:
     """Which chunk the next partial update averages; identical on every rank.
 
-    The cursor advances once per call, whatever the number of parameter
-    groups; it is part of DistOpt's ``state_dict``.
+    The cursor advances once per step, whatever the number of parameter
+    groups.
     """
 
     def __init__(self) -> None:
@@ -39,5 +42,71 @@ class ChunkCursor:
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.position = int(state["position"])
+
+
+class Partial(Strategy):
+    """Local update with this rank's own gradients, then average one chunk of parameters.
+
+    Parameters are cut into chunks by the threshold rule (a parameter of
+    more than ``chunk_size`` elements is its own chunk, smaller ones are
+    fused up to ``chunk_size`` elements) in the shared order; each step
+    averages the chunk under :attr:`cursor` and advances it.
+
+    Args:
+        chunk_size: chunk capacity in ELEMENTS; None uses the step's
+            ``threshold`` (SINGA's rule).
+        average_momentum: also average the chunk's momentum buffers.
+            Default False, as in SINGA: it doubles the bytes per step.
+
+    Attributes:
+        cursor: the :class:`ChunkCursor` (same on every rank).
+
+    Raises:
+        ValueError: ``chunk_size < 1``; at a step, ``average_momentum=True``
+            with an optimizer that exposes no momentum buffers, or a chunk
+            parameter without a momentum buffer yet.
+    """
+
+    name: ClassVar[str] = "partial"
+    reduces_gradients: ClassVar[bool] = False
+
+    def __init__(self, chunk_size: int | None = None, average_momentum: bool = False) -> None:
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 element (or None for the step's threshold), got {chunk_size}")
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
+        self.average_momentum = bool(average_momentum)
+        self.cursor = ChunkCursor()
+
+    def settings(self) -> dict[str, Any]:
+        return {"chunk_size": self.chunk_size, "average_momentum": self.average_momentum}
+
+    def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
+        if self.average_momentum:
+            local.momentum_arrays([])  # raises before any update if the optimizer has no momentum buffers
+
+    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
+        raise RuntimeError("Partial reduces no gradient buckets")  # reduces_gradients is False
+
+    def after_update(self, ctx: UpdateContext) -> None:
+        size = ctx.threshold if self.chunk_size is None else self.chunk_size
+        params = list(ctx.params)
+        chunks = plan_buckets([(p.shape, p.dtype) for p in params], size, max(size, 1))
+        if not chunks:
+            return
+        chunk = chunks[self.cursor.take(len(chunks))]
+        groups = [params]
+        if self.average_momentum:
+            momenta = ctx.momenta(params)
+            if any(momenta[s.index] is None for s in chunk.slots):
+                raise ValueError("average_momentum=True but a parameter of this chunk has no momentum buffer yet")
+            groups.append(momenta)
+        for arrays in groups:
+            ctx.counters.wire_bytes += ctx.average(chunk, arrays, f"partial chunk of {chunk.size} elements")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.cursor.load_state_dict(state["cursor"])

@@ -4,9 +4,9 @@ Per bucket: add the residual (error feedback, Seide et al. 2014; Stich et
 al. 2018; Karimireddy et al. 2019), select entries (top-K by magnitude, Aji
 & Heafield 2017, or |g| >= threshold, Strom 2015), keep what was not sent
 as the new residual (compensated gradient minus what THIS rank sent, never
-minus the average: PowerSGD #3, shared case H17), all-gather (index, value)
-pairs from every rank, densify by ADDING duplicates, divide by world size.
-Every rank thus applies the identical update.
+minus the average, as PowerSGD's error feedback does), all-gather (index,
+value) pairs from every rank, densify by ADDING duplicates, divide by world
+size. Every rank thus applies the identical update.
 
 When the sparse exchange would move at least as many bytes as a dense
 all-reduce (density x world size >= about 1), the selected entries are
@@ -17,52 +17,54 @@ Counted in ``stats["sparse_dense_fallbacks"]``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from ..comm.base import Communicator
 from ..compress import densify, k_for, threshold_indices, topk_indices
+from .base import BucketContext, Done, Strategy
 
-__all__ = ["Residuals", "average_sparse"]
+__all__ = ["Sparse", "Residuals", "average_sparse"]
 
 log = logging.getLogger("distopt")
 
 
 class Residuals:
-    """Error-feedback memory: one residual array per bucket, local to this rank."""
+    """Error-feedback memory: one residual array per bucket, local to this rank.
+
+    Keys are ``(layout key, bucket index)`` as the engine numbers buckets.
+    """
 
     def __init__(self) -> None:
-        self.buffers: dict[Any, Any] = {}
+        self.buffers: dict[tuple[int, int], Any] = {}
 
-    def get(self, bucket: Any, like: Any) -> Any:
-        """The residual of ``bucket`` (any hashable key), created as zeros shaped like ``like``.
+    def get(self, key: tuple[int, int], like: Any) -> Any:
+        """The residual of bucket ``key``, created as zeros shaped like ``like`` (1-D).
 
         A stored residual whose shape or dtype no longer fits (the bucket
         layout changed) is dropped with a warning, never silently.
         """
-        r = self.buffers.get(bucket)
+        r = self.buffers.get(key)
         if r is not None and (r.shape != like.shape or r.dtype != like.dtype):
             log.warning("error-feedback residual of bucket %s dropped: layout changed (%s %s -> %s %s)",
-                        bucket, r.shape, r.dtype, like.shape, like.dtype)
+                        key, r.shape, r.dtype, like.shape, like.dtype)
             r = None
         if r is None:
-            r = self.buffers[bucket] = like * 0
+            r = self.buffers[key] = like * 0
         return r
 
-    def clear(self) -> None:
-        self.buffers = {}
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the residuals: ``{"keys": [[layout, bucket], ...], "values": [array, ...]}``."""
+        keys = sorted(self.buffers)
+        return {"keys": [list(k) for k in keys], "values": [self.buffers[k].copy() for k in keys]}
 
-    def state_dict(self) -> dict[Any, Any]:
-        """Copies of the residuals, keyed as DistOpt keys its buckets."""
-        return {k: v.copy() for k, v in self.buffers.items()}
-
-    def load_state_dict(self, state: dict[Any, Any]) -> None:
-        self.buffers = {k: v.copy() for k, v in state.items()}
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.buffers = {(int(k[0]), int(k[1])): v.copy() for k, v in zip(state["keys"], state["values"])}
 
 
 def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
-                   residual: Any | None, stats: dict[str, int]) -> int:
+                   residual: Any | None, counters: Any) -> int:
     """Average ``flat`` across ranks in place through a sparse exchange.
 
     Args:
@@ -76,8 +78,8 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
             threshold selection (counts differ per rank, may be 0).
         residual: this bucket's error-feedback residual (same shape as
             ``flat``), updated in place; None disables error feedback.
-        stats: counters to update: ``sparse_entries`` (entries this rank
-            selected) and ``sparse_dense_fallbacks``.
+        counters: the step counters: ``sparse_entries`` (entries this rank
+            selected) and ``sparse_dense_fallbacks`` are incremented.
 
     Returns:
         Bytes this rank handed to the collectives (indices + values, or the
@@ -96,10 +98,10 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
         counts = comm.all_gather(np.array([idx.size], dtype=np.int64)).reshape(-1)
         sent_bytes += 8
         total = int(counts.sum())
-    stats["sparse_entries"] = stats.get("sparse_entries", 0) + int(idx.size)
+    counters.sparse_entries += int(idx.size)
     if total * pair_bytes >= n * flat.dtype.itemsize:
         # same selection and residual as the sparse path; only the transport is dense
-        stats["sparse_dense_fallbacks"] = stats.get("sparse_dense_fallbacks", 0) + 1
+        counters.sparse_dense_fallbacks += 1
         sent = flat * 0
         sent[idx] = flat[idx]
         if residual is not None:
@@ -120,3 +122,49 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
     flat[...] = densify(all_idx, all_val, n, flat.dtype)
     flat /= comm.size
     return sent_bytes + int(idx.nbytes + values.nbytes)
+
+
+class Sparse(Strategy):
+    """Top-K or threshold sparsification with error feedback.
+
+    Args:
+        spars: with ``topK=True`` the fraction of each bucket's elements
+            sent, in (0, 1]; else the magnitude threshold (>= 0).
+        topK: top-K selection (exactly k per rank) or threshold selection.
+        corr: error feedback: keep what was not sent as a per-bucket
+            residual added to the next step's gradient.
+
+    Attributes:
+        residuals: this rank's error-feedback memory (:class:`Residuals`).
+
+    Raises:
+        ValueError: ``spars`` out of range for the selection mode.
+
+    The exchange runs after the ranks agreed on the step (so a skipped step
+    leaves the residuals untouched). Does not support overlap or ``join``.
+    """
+
+    name: ClassVar[str] = "sparse"
+    per_rank_state: ClassVar[bool] = True
+
+    def __init__(self, spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
+        if topK and not 0 < spars <= 1:
+            raise ValueError(f"spars must be in (0, 1] with topK=True (the fraction of elements kept), got {spars}")
+        if not topK and not spars >= 0:
+            raise ValueError(f"spars must be >= 0 with topK=False (a magnitude threshold), got {spars}")
+        self.spars, self.top_k, self.corr = float(spars), bool(topK), bool(corr)
+        self.residuals = Residuals()
+
+    def settings(self) -> dict[str, Any]:
+        return {"spars": self.spars, "top_k": self.top_k, "corr": self.corr}
+
+    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:  # noqa: ARG002
+        residual = self.residuals.get((ctx.key, ctx.index), flat) if self.corr else None
+        return Done(average_sparse(ctx.comm, flat, spars=self.spars, topK=self.top_k,
+                                   residual=residual, counters=ctx.counters))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": self.residuals.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.residuals.load_state_dict(state["residuals"])

@@ -108,6 +108,6 @@ rank = opt.rank_in_global
 os.makedirs(args.out, exist_ok=True)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), *params)
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-    json.dump({"stats": opt.stats, "wrote": wrote, "loaded_epoch": loaded_epoch,
+    json.dump({"stats": dict(opt.stats), "wrote": wrote, "loaded_epoch": loaded_epoch,
                "epoch": None if opt.sampler is None else opt.sampler.epoch}, f)
 opt.close()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from distopt import SGD, CollectiveMismatchError, DistOpt
+from distopt.strategies import Partial
 
 PAIR = 4 + 4  # bytes per (int32 index, float32 value)
 
@@ -42,7 +43,7 @@ def rank_mean(world, array) -> np.ndarray:
 
 def residual_list(opt) -> list[np.ndarray]:
     """This rank's residual buffers, in bucket order."""
-    return [v for _, v in sorted(opt.residuals.buffers.items(), key=lambda kv: repr(kv[0]))]
+    return [v for _, v in sorted(opt.active_strategy.residuals.buffers.items(), key=lambda kv: repr(kv[0]))]
 
 
 def need(world, size):
@@ -153,13 +154,13 @@ def test_partial_one_chunk_per_call_then_all_averaged(make, world):
     for p in params:
         p[...] = rng.normal(size=p.shape) + world.rank
     means = [rank_mean(world, p) for p in params]
-    start = opt.cursor.position
+    start = opt.active_strategy.cursor.position
     agree, values, positions = [], [], []
     for j in range(len(chunks)):
         opt.step_partial(params, zeros(), threshold=6)
         agree.append({i for i, p in enumerate(params) if same_everywhere(world, [p])})
         values.append([p.copy() for p in params])
-        positions.append(world.allgather(opt.cursor.position))
+        positions.append(world.allgather(opt.active_strategy.cursor.position))
     taken = set()
     for j, (got, vals, pos) in enumerate(zip(agree, values, positions)):
         taken |= set(chunks[(start + j) % len(chunks)])
@@ -169,20 +170,21 @@ def test_partial_one_chunk_per_call_then_all_averaged(make, world):
         assert len(set(pos)) == 1  # cursor equal on all ranks
     assert taken == set(range(len(params)))
     sd = opt.state_dict()
-    assert sd["cursor"] == {"position": opt.cursor.position}
-    assert len(set(world.allgather(sd["cursor"]["position"]))) == 1
+    cursor = sd["strategies"]["singa.partial"]["cursor"]
+    assert cursor == {"position": opt.active_strategy.cursor.position}
+    assert len(set(world.allgather(cursor["position"]))) == 1
     fresh = make(SGD(lr=0.5))
     fresh.load_state_dict(pickle.loads(pickle.dumps(sd)))
-    assert fresh.cursor.position == opt.cursor.position
+    assert fresh.state_dict()["strategies"]["singa.partial"]["cursor"] == cursor  # held until the next call
 
 
 def test_partial_cursor_wraps_and_counts(make, world):
-    opt = make(SGD(lr=0.5))
+    opt = make(SGD(lr=0.5), strategy=Partial(chunk_size=6))
     params, chunks = _partial_model()
     seen = []
     for _ in range(2 * len(chunks) + 1):
-        seen.append(opt.cursor.position)
-        opt.step_partial(params, [np.zeros_like(p) for p in params], threshold=6)
+        seen.append(opt.strategy.cursor.position)
+        opt.step(params, [np.zeros_like(p) for p in params])
     assert seen == [0, 1, 2, 0, 1, 2, 0]
     assert opt.stats["steps"] == 2 * len(chunks) + 1
 
@@ -340,7 +342,7 @@ def test_h11_zero_size_parameter_partial(make, world, threshold):
     same = same_everywhere(world, params)
     assert params[1].shape == (1, 0, 2)
     assert same
-    assert opt.cursor.position == 0
+    assert opt.active_strategy.cursor.position == 0
     np.testing.assert_allclose(params[0], -mean, rtol=0, atol=1e-6)
     np.testing.assert_allclose(params[2], -10 * mean, rtol=0, atol=1e-5)
 

@@ -1,0 +1,61 @@
+"""The counters behind ``DistOpt.stats``."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["Counters"]
+
+
+@dataclass
+class Counters(Mapping):
+    """What this rank's steps did, cumulative since construction (or the last restore).
+
+    Read as attributes or, as before, as a read-only mapping (``stats["wire_bytes"]``,
+    ``dict(stats)``).
+
+    Attributes:
+        steps: averaged steps applied (skipped ones not included).
+        wire_bytes: BYTES this rank handed to the collectives for gradient
+            (or partial parameter) exchange.
+        dense_bytes: bytes a dense all-reduce of the same gradients would
+            have handed over.
+        sparse_entries: entries the sparse strategy selected on this rank.
+        sparse_dense_fallbacks: sparse buckets that travelled densely
+            because that moved fewer bytes.
+        buckets_started_in_backward: reductions started before backward
+            returned (overlap).
+        skipped_steps: steps skipped on every rank by ``check_finite``.
+    """
+
+    steps: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    sparse_entries: int = 0
+    sparse_dense_fallbacks: int = 0
+    buckets_started_in_backward: int = 0
+    skipped_steps: int = 0
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        return asdict(self)
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`state_dict` output (missing counters start at 0)."""
+        for name in self._names():
+            setattr(self, name, int(state.get(name, 0)))

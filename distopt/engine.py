@@ -1,0 +1,212 @@
+"""The step engine: layout, agreement and the bucket pipeline, for any strategy.
+
+Per step, the engine
+
+1. agrees with the other ranks on the step (one small all-gather, the "step
+   header": digests of the parameter shapes/dtypes and of the strategy's
+   settings, whether this rank's parameter list changed, whether it is inside
+   ``join()``). Different digests raise
+   :class:`~distopt.errors.CollectiveMismatchError` on every rank naming
+   the first difference (so ranks on different strategies or models never
+   exchange garbage); a changed parameter list on any rank makes every rank
+   take rank 0's parameters (first step, parameters added, removed or
+   resized) and lays the buckets out anew, with new buffers;
+2. runs the strategy's bucket reductions through one
+   :class:`~distopt.pipeline.BucketPipeline`;
+3. agrees on which gradients exist, how many ranks contribute and whether
+   to skip the step (one small all-reduce), then completes the buckets.
+
+Averaging independent random inits would shrink them, so parameters are
+broadcast from rank 0, never averaged. Every collective error carries the
+step number and where it happened (bucket i of n).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ._array import xp_of
+from .agreement import check_same, digest
+from .buckets import Bucket, is_float, pack, plan_buckets, unpack
+from .comm.base import Communicator
+from .counters import Counters
+from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from .pipeline import BucketPipeline, Launcher
+from .strategies.base import Strategy
+
+__all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
+
+DEFAULT_THRESHOLD = 2097152
+"""Default ``threshold`` in ELEMENTS: larger parameters are reduced alone (SINGA's default)."""
+
+FIRST_BUCKET = 262144
+"""ELEMENTS of the first reverse-order bucket (1 MiB of float32, as PyTorch DDP), so reduction starts early."""
+
+
+@dataclass
+class Outcome:
+    """The ranks' agreement on one step.
+
+    Attributes:
+        present: per parameter, True when some rank had a (float) gradient.
+        active: ranks that contributed (fewer than the world size while
+            some have joined; 0 when every rank has joined).
+        skipped: ``check_finite`` found a NaN or inf on some rank: every
+            rank skips the update.
+    """
+
+    present: list[bool]
+    active: int
+    skipped: bool
+
+    @property
+    def applies(self) -> bool:
+        """True when the step updates parameters."""
+        return self.active > 0 and not self.skipped
+
+
+@dataclass
+class _Layout:
+    """One bucket layout of the current parameter list, with its packing buffers."""
+
+    key: int
+    buckets: list[Bucket]
+    buffers: dict[int, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Drives any :class:`~distopt.strategies.Strategy` over one communicator.
+
+    Args:
+        comm: the communicator.
+        buff_size: capacity of a fusion buffer in ELEMENTS (>= 1).
+        check_finite: skip a step on every rank when any rank's gradient
+            has a NaN or inf.
+        counters: the counters to update (``DistOpt.stats``).
+    """
+
+    def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters) -> None:
+        self.comm, self.buff_size, self.check_finite, self.counters = comm, buff_size, check_finite, counters
+        self.launch = Launcher(comm)
+        self._specs: tuple[Any, ...] | None = None
+        self._specs_digest: tuple[Any, int] = (None, 0)
+        self._layouts: dict[tuple[int, bool], _Layout] = {}
+
+    # ------------------------------------------------------------ context
+    @contextmanager
+    def context(self, where: str) -> Iterator[None]:
+        """Prefix a collective error with the step number and ``where`` it happened."""
+        try:
+            yield
+        except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
+            if str(exc).startswith("step "):
+                raise
+            raise type(exc)(f"step {self.counters.steps + 1}, {where}: {exc}") from exc
+
+    # ------------------------------------------------- parameters and layout
+    def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
+        """Check that all ranks hold the same parameters and ``settings``, then take rank 0's values.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming the first difference.
+        """
+        params = list(params)
+        check_same(self.comm, params, settings)
+        for bucket in plan_buckets([(p.shape, p.dtype) for p in params], DEFAULT_THRESHOLD, self.buff_size):
+            flat, viewed = pack(bucket, params)
+            self.comm.broadcast(flat, root=0)
+            if not viewed:
+                unpack(bucket, flat, params)
+
+    def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool) -> _Layout:
+        """The step header (see the module docs); returns the layout for this step."""
+        reverse = strategy.supports_overlap
+        specs = tuple((p.shape, str(p.dtype)) for p in params)
+        full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
+                "reverse": reverse, **strategy.describe()}
+        if specs != self._specs_digest[0]:
+            self._specs_digest = (specs, digest([[list(shape), dtype] for shape, dtype in specs]))
+        header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined)],
+                          dtype=np.int64)
+        everyone = self.comm.all_gather(header)
+        if (everyone[:, :2] != everyone[0, :2]).any():
+            check_same(self.comm, params, full)
+            raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
+        if everyone[:, 3].any() and not strategy.supports_join:
+            raise ValueError(f"join() supports strategies with supports_join (plain, half), not {strategy.name!r}: "
+                             f"rank(s) {np.flatnonzero(everyone[:, 3]).tolist()} are inside join()")
+        if everyone[:, 2].any():
+            self.broadcast_params(params, full)
+            self._specs, self._layouts = specs, {}
+        slot = (threshold, reverse)
+        if slot not in self._layouts:
+            first = min(FIRST_BUCKET, self.buff_size) if reverse else None
+            buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
+                                   reverse=reverse, first_bucket=first)
+            floats = [b for b in buckets if is_float(b.dtype)]
+            self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats)
+        return self._layouts[slot]
+
+    # ------------------------------------------------------------- the step
+    def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int,
+              joined: bool = False) -> BucketPipeline:
+        """Agree on the step, then return its pipeline (buckets may start at once: overlap).
+
+        ``joined``: this rank is inside ``join()`` (stepping or shadowing).
+
+        Raises:
+            CollectiveMismatchError: parameters or settings differ across ranks.
+            ValueError: a rank has joined and the strategy does not support ``join``.
+        """
+        params = list(params)
+        with self.context("parameter check"):
+            layout = self._agree(strategy, params, threshold, joined)
+        return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
+                              self.comm, self.counters, self.context)
+
+    def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
+        """Start the buckets not started yet, agree on the step, then average ``grads`` in place.
+
+        A missing gradient counts as zero; a parameter with no gradient on
+        any rank is reported absent; integer and boolean parameters are
+        never reduced. On a skipped step nothing is written.
+        """
+        pipeline.launch_rest(grads)
+        outcome = self.agree_on_gradients(pipeline.params, grads, active)
+        if not outcome.applies:
+            pipeline.abandon()
+            return outcome
+        pipeline.finish(grads, outcome.active)
+        return outcome
+
+    def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool) -> Outcome:
+        """One small all-reduce: per parameter, how many ranks have a gradient; how many ranks are
+        active (not joined); whether any rank saw a non-finite gradient (only with ``check_finite``)."""
+        flags = np.zeros(len(params) + 2, dtype=np.int32)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            flags[i] = g is not None and is_float(p)
+        flags[-2] = int(active)
+        if self.check_finite and active:
+            flags[-1] = any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
+        with self.context("agreement on gradients present"):
+            self.comm.all_reduce(flags, op="sum")
+        outcome = Outcome([bool(c) for c in flags[:-2]], int(flags[-2]), bool(flags[-1]))
+        if outcome.skipped:
+            self.counters.skipped_steps += 1
+        return outcome
+
+    def average_arrays(self, bucket: Bucket, arrays: Sequence[Any], where: str) -> int:
+        """All-reduce the arrays of one bucket layout to their mean, in place; returns the bytes sent."""
+        flat, viewed = pack(bucket, arrays)
+        with self.context(where):
+            self.comm.all_reduce(flat, op="avg")
+        if not viewed:
+            unpack(bucket, flat, list(arrays))
+        return int(flat.nbytes)
+
+    def close(self) -> None:
+        """Stop the reduction thread (backends without asynchronous all-reduce)."""
+        self.launch.close()

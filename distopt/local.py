@@ -1,0 +1,150 @@
+"""The local optimizer behind DistOpt, behind one interface.
+
+Two kinds exist: optimizers on arrays (:class:`distopt.SGD` or any object
+with ``update(param, grad)``), where the caller passes parameters and
+gradients to every step, and PyTorch optimizers (:mod:`distopt.torch`),
+which own their tensors. DistOpt only talks to :class:`LocalOptimizer`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterable, Sequence
+
+__all__ = ["LocalOptimizer", "ArrayOptimizer", "wrap_local"]
+
+
+class LocalOptimizer(ABC):
+    """What DistOpt needs from a local optimizer."""
+
+    def arrays(self) -> list[Any] | None:
+        """The parameter arrays the optimizer owns (shared memory with the model), or None when the
+        caller passes parameters to every step."""
+        return None
+
+    @abstractmethod
+    def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
+        """Run ``loss.backward()``; return ``(params, grads)`` in the shared parameter order."""
+
+    @abstractmethod
+    def overlapped_backward(self, loss: Any, begin: Callable[[list[Any]], Any]
+                            ) -> tuple[list[Any], list[Any], Any] | None:
+        """Run backward while handing each final gradient to a bucket pipeline.
+
+        ``begin(params)`` returns the step's :class:`~distopt.pipeline.BucketPipeline`
+        (a collective: every rank calls it at the same point). Returns
+        ``(params, grads, pipeline)``, or None when this loss cannot be
+        overlapped (nothing has run then).
+        """
+
+    @abstractmethod
+    def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:
+        """Update the parameters whose ``present`` flag is True with the (averaged) gradients."""
+
+    @abstractmethod
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:
+        """The momentum buffer of each parameter (None where there is none yet).
+
+        Raises:
+            ValueError: the optimizer has no momentum buffers at all.
+        """
+
+    def remember(self, params: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
+        """Record the shared parameter order (array models: from ``sync_params`` or a step)."""
+
+    @abstractmethod
+    def state_dict(self) -> Any:
+        """The optimizer's state (None if it has none)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict` output."""
+
+
+class ArrayOptimizer(LocalOptimizer):
+    """Local optimizer on arrays: anything with ``update(param, grad)`` (arrays updated in place).
+
+    An array model's loss is any object whose ``backward()`` yields
+    ``(param, grad)`` pairs; once the shared order is known (from
+    ``sync_params`` or an earlier step) the pairs may arrive in any order.
+    """
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.known: list[Any] | None = None
+
+    def remember(self, params: Sequence[Any]) -> None:
+        self.known = list(params)
+
+    def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
+        params, grads = _pairs(loss.backward())
+        known = self.known
+        if known is not None and len(params) == len(known):
+            index_of = {id(p): i for i, p in enumerate(known)}
+            if all(index_of.get(id(p)) is not None for p in params):  # arrival order -> the shared order
+                ordered: list[Any] = [None] * len(params)
+                for p, g in zip(params, grads):
+                    ordered[index_of[id(p)]] = g
+                return list(known), ordered
+        return params, grads
+
+    def overlapped_backward(self, loss: Any, begin: Callable[[list[Any]], Any]
+                            ) -> tuple[list[Any], list[Any], Any] | None:
+        if self.known is None:
+            return None
+        params = self.known
+        index_of = {id(p): i for i, p in enumerate(params)}
+        pipeline = begin(params)
+        grads: list[Any] = [None] * len(params)
+        for p, g in loss.backward():
+            i = index_of.get(id(p))
+            if i is None or params[i] is not p:
+                raise ValueError("with overlap=True an array model's parameter list must stay fixed; a new "
+                                 "parameter appeared (use DistOpt(..., overlap=False) to change it)")
+            grads[i] = g
+            pipeline.ready(i, g)
+        return params, grads, pipeline
+
+    def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:
+        for p, g, ok in zip(params, grads, present):
+            if ok and g is not None:
+                self.opt.update(p, g)
+
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:
+        if not callable(getattr(self.opt, "momentum_buffer", None)):
+            raise ValueError(f"average_momentum=True needs an optimizer with momentum_buffer(param); "
+                             f"{type(self.opt).__name__} has none")
+        return [self.opt.momentum_buffer(p) for p in params]
+
+    def state_dict(self) -> Any:
+        return self.opt.state_dict() if hasattr(self.opt, "state_dict") else None
+
+    def load_state_dict(self, state: Any) -> None:
+        if state is not None:
+            self.opt.load_state_dict(state)
+
+
+def wrap_local(opt: Any) -> LocalOptimizer:
+    """The :class:`LocalOptimizer` for ``opt``.
+
+    Raises:
+        TypeError: ``opt`` is neither a ``torch.optim.Optimizer`` nor has ``update(param, grad)``.
+    """
+    from . import torch as torch_adapter
+
+    if torch_adapter.is_torch_optimizer(opt):
+        return torch_adapter.TorchOptimizer(opt)
+    if callable(getattr(opt, "update", None)):
+        return ArrayOptimizer(opt)
+    raise TypeError(
+        f"opt must be distopt.SGD, an object with update(param, grad), or a torch.optim.Optimizer; "
+        f"got {type(opt).__name__}"
+    )
+
+
+def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
+    params: list[Any] = []
+    grads: list[Any] = []
+    for p, g in pairs:
+        params.append(p)
+        grads.append(g)
+    return params, grads

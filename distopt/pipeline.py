@@ -1,0 +1,209 @@
+"""One step's bucket reductions, started in bucket order as gradients become ready.
+
+:class:`BucketPipeline` receives gradients one by one (:meth:`ready`, from
+PyTorch's post-accumulate-grad hooks or from a generator of ``(param,
+grad)`` pairs) and starts a bucket's reduction as soon as the bucket is
+complete AND every earlier bucket has been started, so all ranks start the
+same reductions in the same order whatever order their gradients arrive in
+(no deadlock). After backward, :meth:`launch_rest` starts the remaining
+buckets (missing gradients as zeros) and :meth:`finish` completes them,
+divides by the number of contributing ranks and unpacks. A step without
+overlap runs the same pipeline with every bucket started after backward, so
+both paths issue identical collectives and give bitwise identical results.
+
+Asynchrony per backend: MPI ``Iallreduce`` (progressed by ``test()`` from
+the hooks), NCCL enqueued on its stream, shared memory on one worker thread
+(NumPy releases the GIL while it reduces).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from ._array import xp_of
+from .buckets import Bucket, put, unpack
+from .comm.base import Communicator
+from .counters import Counters
+from .strategies.base import BucketContext, Strategy
+
+__all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
+
+#: Reductions started after backward that may be in flight at once.
+IN_FLIGHT = 2
+
+
+class _ThreadHandle:
+    """A blocking all-reduce run on a worker thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def test(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+
+class Launcher:
+    """Starts all-reduces asynchronously: the backend's ``all_reduce_async`` or one worker thread.
+
+    Args:
+        comm: the communicator.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self._native = getattr(comm, "all_reduce_async", None)
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def threaded(self) -> bool:
+        """True when reductions run on a worker thread (the caller must drain before its next collective)."""
+        return self._native is None
+
+    def __call__(self, array: Any, op: str) -> Any:
+        if self._native is not None:
+            return self._native(array, op)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distopt-allreduce")
+        return _ThreadHandle(self._executor.submit(self.comm.all_reduce, array, op))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+
+def _test(started: Any) -> None:
+    """Progress a started reduction (MPI needs test() calls to move while backward runs)."""
+    handle = started[-1] if isinstance(started, tuple) else started
+    test = getattr(handle, "test", None)
+    if test is not None:
+        test()
+
+
+class BucketPipeline:
+    """One step's reductions over a fixed bucket layout.
+
+    Args:
+        strategy: how each bucket is reduced.
+        buckets: the float buckets of the layout (identical on every rank).
+        buffers: the layout's reusable packing buffers, one per bucket index
+            (filled here; they belong to this layout only).
+        key: the layout's key (for per-bucket strategy state).
+        params: the parameters (dtype and device of new buffers).
+        launch: the :class:`Launcher`.
+        comm: the communicator.
+        counters: the step counters.
+        context: ``context(where)`` wraps collective errors with the step
+            and the bucket.
+    """
+
+    def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
+                 params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
+                 context: Callable[[str], Any]) -> None:
+        self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
+        self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
+        self.context = context
+        self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
+        self.missing = [len(bucket.slots) for bucket in buckets]
+        self.marked: set[int] = set()
+        self.flats: dict[int, tuple[Any, bool]] = {}
+        self.started: dict[int, Any] = {}
+        self.next = 0
+
+    def _ctx(self, b: int) -> BucketContext:
+        return BucketContext(b, len(self.buckets), self.key, self.buckets[b], self.flats[b][1], self.comm,
+                             self.launch, self.counters)
+
+    def _where(self, b: int) -> str:
+        bucket = self.buckets[b]
+        return f"bucket {b + 1} of {len(self.buckets)} ({bucket.size} elements of {bucket.dtype})"
+
+    def _flat(self, b: int, grad: Any) -> tuple[Any, bool]:
+        """Bucket ``b``'s flat buffer: a lone contiguous gradient itself, else the layout's packing buffer."""
+        if b not in self.flats:
+            bucket = self.buckets[b]
+            if bucket.alone and grad is not None and grad.flags.c_contiguous:
+                self.flats[b] = (grad.reshape(-1), True)
+            else:
+                buf = self.buffers.get(b)
+                if buf is None:
+                    ref = self.params[bucket.slots[0].index]
+                    buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)
+                self.flats[b] = (buf, False)
+        return self.flats[b]
+
+    def _put(self, index: int, grad: Any) -> None:
+        b, s = self.where[index]
+        flat, viewed = self._flat(b, grad)
+        if not viewed:
+            put(flat, s, grad)
+        self.marked.add(index)
+        self.missing[b] -= 1
+
+    def ready(self, index: int, grad: Any) -> None:
+        """Gradient of parameter ``index`` is final: pack it, start complete buckets in order."""
+        if index in self.marked or index not in self.where:
+            return
+        self._put(index, grad)
+        while self.next < len(self.buckets) and self.missing[self.next] == 0:
+            self._start(self.next)
+        for started in self.started.values():
+            _test(started)
+
+    def _start(self, b: int) -> None:
+        with self.context(self._where(b)):
+            self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
+        self.next = b + 1
+
+    def launch_rest(self, grads: Sequence[Any]) -> None:
+        """Start every bucket not started yet, in order; missing gradients pack as zeros.
+
+        At most :data:`IN_FLIGHT` reductions run at once from here on: MPI
+        moves many concurrent large all-reduces slower than a short queue.
+        On a thread-backed communicator every started reduction has ended
+        when this returns (one thread at a time may use the communicator).
+        """
+        for index in self.where:
+            if index not in self.marked:
+                self._put(index, grads[index])
+        while self.next < len(self.buckets):
+            if self.next >= IN_FLIGHT:
+                self._wait(self.next - IN_FLIGHT)
+            self._start(self.next)
+        if self.launch.threaded:
+            for b in range(self.next):
+                self._wait(b)
+
+    def _wait(self, b: int) -> None:
+        started = self.started[b]
+        handle = started[-1] if isinstance(started, tuple) else started
+        if hasattr(handle, "wait"):
+            with self.context(self._where(b)):
+                handle.wait()
+
+    def finish(self, grads: list[Any], divisor: int) -> None:
+        """Complete every bucket, average over ``divisor`` ranks, unpack into ``grads``.
+
+        A None entry of ``grads`` receives a new array. Adds the bytes sent
+        to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``.
+        """
+        for b, bucket in enumerate(self.buckets):
+            flat, viewed = self.flats[b]
+            with self.context(self._where(b)):
+                done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
+            self.counters.wire_bytes += done.wire_bytes
+            self.counters.dense_bytes += int(flat.nbytes)
+            if not viewed:
+                unpack(bucket, flat, grads, done.divisor)
+            elif done.divisor != 1:
+                flat /= done.divisor
+
+    def abandon(self) -> None:
+        """Complete started reductions without using them (a skipped step)."""
+        for b in range(self.next):
+            with self.context(self._where(b)):
+                self.strategy.abandon(self.started[b])
+

@@ -1,0 +1,76 @@
+"""Half precision on the wire: buckets travel as float16 or bfloat16.
+
+SINGA's ``backward_and_update_half``. Per bucket: optional element clipping
+to ``[-clip, clip]`` (the seed's ``clipping``), scale by ``1/predivide``,
+cast to the wire dtype, sum-all-reduce in the wire dtype, cast back, scale
+by ``predivide / divisor``. With the default ``predivide = world_size`` the
+sum cannot exceed the largest rank's value, so 4 ranks each sending 40000
+average to 40000, not inf (Horovod #1699, PyTorch #57410); ``predivide=1``
+keeps small gradients from flushing to zero at the risk of overflow
+(fairscale PR 565 splits the factor; PyTorch's ``fp16_compress_hook``
+pre-divides by the world size).
+
+On the MPI backend float16/bfloat16 move as 16-bit words reduced by a
+user-defined op that adds in float32 and rounds once per combination; NCCL
+reduces them natively.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ..compress import WIRE_DTYPES, from_wire, half_scales, to_wire
+from .base import BucketContext, Done, Strategy
+
+__all__ = ["Half"]
+
+
+class Half(Strategy):
+    """Average gradients sent as 16-bit floats (2 bytes per element on the wire).
+
+    Args:
+        wire: ``"float16"`` or ``"bfloat16"`` (NumPy arrays need ml_dtypes
+            for bfloat16).
+        predivide: the factor gradients are divided by before the cast;
+            None means the world size (no overflow). Finite and > 0.
+        clip: clip gradient elements to ``[-clip, clip]`` before the cast;
+            None for no clipping.
+
+    Raises:
+        ValueError: ``wire`` not in ``("float16", "bfloat16")``, ``clip <= 0``,
+            or (at the first step) a ``predivide`` out of range.
+    """
+
+    name: ClassVar[str] = "half"
+    supports_overlap: ClassVar[bool] = True
+    supports_join: ClassVar[bool] = True
+
+    def __init__(self, wire: str = "float16", predivide: float | None = None, clip: float | None = None) -> None:
+        if wire not in WIRE_DTYPES:
+            raise ValueError(f"wire must be one of {WIRE_DTYPES}, got {wire!r}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be > 0 (or None for no clipping), got {clip}")
+        self.wire = wire
+        self.predivide = None if predivide is None else float(predivide)
+        self.clip = None if clip is None else float(clip)
+        self._factor = 1.0
+
+    def settings(self) -> dict[str, Any]:
+        return {"wire": self.wire, "predivide": self.predivide, "clip": self.clip}
+
+    def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
+        self._factor = float(world_size if self.predivide is None else self.predivide)
+        half_scales(world_size, self._factor)  # validates predivide
+
+    def start(self, ctx: BucketContext, flat: Any) -> Any:
+        src = flat if self.clip is None else flat.clip(-self.clip, self.clip)
+        w = to_wire(src, self.wire, 1.0 / self._factor)
+        return w, ctx.launch(w, "sum")
+
+    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
+        w, handle = started
+        handle.wait()
+        flat[...] = from_wire(w, flat.dtype, self._factor / divisor)
+        return Done(2 * int(flat.size))
+
+    def abandon(self, started: Any) -> None:
+        started[1].wait()

@@ -1,0 +1,275 @@
+"""The step engine and the strategy objects, in a simulated world of threads (milliseconds, no mpiexec).
+
+Numerics are proven against one process on the whole batch (float64,
+1e-10); SINGA's per-call methods against the strategy objects (bitwise);
+the two bugs of the old centre (join after sparse/partial, a bucket whose
+layout changes) for every strategy, overlap on and off.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distopt import SGD, CollectiveMismatchError, DistOpt
+from distopt.strategies import Dense, Half, Partial, Sparse
+from tests import models
+from tests.simworld import RankFailed, run_world
+
+STRATEGIES = {
+    "plain": (Dense, {}, lambda o, p, g, t: o.step(p, g, t)),
+    "half": (Half, {"wire": "float16"}, lambda o, p, g, t: o.step_half(p, g, t)),
+    "topk": (Sparse, {"spars": 0.3, "topK": True}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.3, True)),
+    "threshold": (Sparse, {"spars": 0.05}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.05, False)),
+    "partial": (Partial, {}, lambda o, p, g, t: o.step_partial(p, g, t)),
+}
+
+
+def _opt(comm, sgd=None, **kwargs) -> DistOpt:
+    return DistOpt(sgd if sgd is not None else SGD(lr=0.1, momentum=0.9), comm=comm, **kwargs)
+
+
+def _grads(step: int, rank: int, params) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * step + rank)
+    return [rng.standard_normal(p.shape).astype(p.dtype) for p in params]
+
+
+class _Loss:
+    """An array model's loss whose backward() yields (param, grad) pairs, last parameter first."""
+
+    def __init__(self, params, grads):
+        self.params, self.grads = params, grads
+
+    def backward(self):
+        for i in reversed(range(len(self.params))):
+            yield self.params[i], self.grads[i]
+
+
+# ------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dense_n_ranks_equal_one_process_on_the_whole_batch(world):
+    """W ranks with batch B each == one process on W*B (float64, 1e-10), momentum + weight decay."""
+    B, steps = 3, 4
+    ref = [p.copy() for p in models.mlp_params(seed=0)]
+    sgd = SGD(lr=0.2, momentum=0.9, weight_decay=1e-3)
+    for s in range(steps):
+        x, y = models.batch(s, B * world)
+        for p, g in zip(ref, models.mlp_grads(ref, x, y)):
+            sgd.update(p, g)
+
+    def rank_fn(rank, comm):
+        params = models.mlp_params(seed=rank)  # different inits: rank 0's are broadcast
+        opt = _opt(comm, SGD(lr=0.2, momentum=0.9, weight_decay=1e-3), buffSize=40)
+        opt.sync_params(params)
+        for s in range(steps):
+            x, y = models.batch(s, B * world)
+            mine = slice(B * rank, B * rank + B)
+            opt.step(params, models.mlp_grads(params, x[mine], y[mine]), threshold=30)
+        return params
+
+    for params in run_world(world, rank_fn):
+        for got, want in zip(params, ref):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+
+
+# --------------------------------------------- SINGA methods == strategy objects
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
+def test_singa_methods_equal_strategy_objects_bitwise(kind, overlap, world):
+    cls, kwargs, singa_step = STRATEGIES[kind]
+
+    def rank_fn(rank, comm):
+        out = []
+        for use_object in (True, False):
+            params = [p.astype(np.float32) for p in models.mlp_params(seed=rank)]
+            strategy = cls(**kwargs) if use_object else None
+            opt = _opt(comm, strategy=strategy, buffSize=20, overlap=overlap)
+            opt.sync_params(params)
+            for s in range(4):
+                grads = _grads(s, rank, params)
+                if use_object:
+                    opt.backward_and_update(_Loss(params, grads), threshold=16) if s % 2 else \
+                        opt.step(params, grads, threshold=16)
+                else:
+                    singa_step(opt, params, grads, 16)
+            out.append(params)
+        return out
+
+    results = run_world(world, rank_fn)
+    for ours, singa in results:
+        for a, b in zip(ours, singa):
+            assert np.array_equal(a, b)
+    if kind != "partial":  # replicas identical after every averaged step
+        for other, _ in results[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(other, results[0][0]))
+
+
+@pytest.mark.parametrize("kind", ["plain", "half"])
+def test_overlap_equals_post_backward_bitwise(kind):
+    """An array loss yielding (param, grad): overlapped buckets == post-backward, and they start in backward."""
+    cls, kwargs, _ = STRATEGIES[kind]
+
+    def rank_fn(rank, comm):
+        out = []
+        for overlap in (True, False):
+            params = [p.astype(np.float32) for p in models.mlp_params(seed=rank)]
+            opt = _opt(comm, strategy=cls(**kwargs), buffSize=20, overlap=overlap)
+            opt.sync_params(params)
+            for s in range(3):
+                opt.backward_and_update(_Loss(params, _grads(s, rank, params)), threshold=16)
+            out.append((params, opt.stats["buckets_started_in_backward"]))
+        return out
+
+    for (a, started), (b, none) in run_world(2, rank_fn):
+        assert started > 0 and none == 0
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------ bug 1: join after any strategy
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
+def test_join_without_step_inside_after_any_strategy(kind):
+    """Rank 1 runs one step of the strategy, then enters and leaves join() without a step inside while
+    rank 0 still steps: supported strategies keep replicas equal; the others raise ValueError everywhere."""
+    cls, kwargs, singa_step = STRATEGIES[kind]
+
+    def rank_fn(rank, comm):
+        opt = _opt(comm, SGD(lr=0.1))
+        params = [np.zeros(6), np.zeros(3)]
+        singa_step(opt, params, _grads(0, rank, params), 4)
+        try:
+            with opt.join():
+                if rank == 0:
+                    singa_step(opt, params, _grads(1, rank, params), 4)
+        except ValueError as exc:
+            return "ValueError", str(exc)
+        return "ok", [p.copy() for p in params]
+
+    results = run_world(2, rank_fn)
+    if cls.supports_join:
+        assert [r[0] for r in results] == ["ok", "ok"]
+        assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    else:
+        assert [r[0] for r in results] == ["ValueError", "ValueError"], results
+        assert all(cls.name in r[1] for r in results)
+
+
+def test_join_after_sparse_when_the_other_rank_steps_outside_join():
+    """The joined rank shadows a sparse step of a rank that is not in join(): ValueError on both ranks."""
+
+    def rank_fn(rank, comm):
+        opt = _opt(comm, SGD(lr=0.1))
+        params = [np.zeros(8)]
+        opt.step_sparse(params, _grads(0, rank, params), spars=0.5, topK=True)
+        try:
+            if rank == 1:
+                with opt.join():
+                    pass
+            else:
+                opt.step_sparse(params, _grads(1, rank, params), spars=0.5, topK=True)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    messages = run_world(2, rank_fn)
+    assert all(m is not None and "sparse" in m for m in messages), messages
+
+
+# ------------------------------------------------- bug 2: a bucket whose layout changes
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
+def test_layout_change_new_parameter_gets_rank0_value(kind, overlap):
+    """step([w1(4), w3(3)]) then step([w1, w3, w2(2)]) (w2 joins the fused bucket), then w2 resized and
+    w3 removed: buffers of the right size, rank 0's value for every new parameter, replicas equal."""
+    cls, kwargs, _ = STRATEGIES[kind]
+
+    def rank_fn(rank, comm):
+        opt = _opt(comm, SGD(lr=0.1), strategy=cls(**kwargs), overlap=overlap)
+        w1, w3 = np.full(4, 1.0 + rank), np.full(3, 2.0 + rank)
+        seen = []
+        for params in ([w1, w3], [w1, w3, np.full(2, 10.0 + rank)], [w1, np.full(5, 20.0 + rank)]):
+            opt.step(params, [None] * len(params))  # no gradient: shows what the layout sync did
+            seen.append([p.copy() for p in params])
+            opt.backward_and_update(_Loss(params, _grads(len(seen), rank, params)))
+            seen.append([p.copy() for p in params])
+        return seen
+
+    ranks = run_world(2, rank_fn)
+    np.testing.assert_array_equal(ranks[1][2][2], np.full(2, 10.0))  # w2: rank 0's value
+    np.testing.assert_array_equal(ranks[1][4][1], np.full(5, 20.0))  # resized: rank 0's value
+    if kind != "partial":
+        for a, b in zip(ranks[0], ranks[1]):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- agreement
+def test_different_strategies_across_ranks_error_on_every_rank():
+    def rank_fn(rank, comm):
+        opt = _opt(comm, strategy=Dense() if rank == 0 else Half())
+        try:
+            opt.step([np.zeros(4)], [np.ones(4)])
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return None
+
+    messages = run_world(2, rank_fn)
+    assert all(m is not None and "strategy" in m and "step 1" in m for m in messages), messages
+
+
+def test_strategy_argument_is_checked():
+    with pytest.raises(RankFailed, match="TypeError: strategy must be a distopt.strategies.Strategy"):
+        run_world(1, lambda rank, comm: _opt(comm, strategy="sparse"))
+
+
+def test_strategy_settings_are_validated_at_construction():
+    with pytest.raises(ValueError, match="spars must be in"):
+        Sparse(spars=2.0, topK=True)
+    with pytest.raises(ValueError, match="wire must be one of"):
+        Half(wire="int8")
+    with pytest.raises(ValueError, match="chunk_size"):
+        Partial(chunk_size=0)
+
+
+# -------------------------------------------------------------------- state
+@pytest.mark.parametrize("kind", ["topk", "partial"])
+def test_state_round_trip_gives_bitwise_the_same_next_step(kind):
+    cls, kwargs, _ = STRATEGIES[kind]
+
+    def rank_fn(rank, comm):
+        params = [np.arange(10.0) * (rank + 1)]
+        opt = _opt(comm, SGD(lr=0.1, momentum=0.9), strategy=cls(**kwargs))
+        for s in range(3):
+            opt.step(params, _grads(s, rank, params), threshold=4)
+        saved, saved_params = opt.state_dict(), [p.copy() for p in params]
+        opt.step(params, _grads(3, rank, params), threshold=4)
+        fresh = _opt(comm, SGD(lr=0.1, momentum=0.9), strategy=cls(**kwargs))
+        again = [p.copy() for p in saved_params]
+        fresh.sync_params(again)
+        fresh.load_state_dict(saved)
+        fresh.step(again, _grads(3, rank, again), threshold=4)
+        return params, again
+
+    for a, b in run_world(2, rank_fn):
+        assert np.array_equal(a[0], b[0])
+
+
+def test_old_state_format_is_refused_clearly():
+    def rank_fn(rank, comm):
+        opt = _opt(comm)
+        with pytest.raises(ValueError, match="format 1"):
+            opt.load_state_dict({"local": None, "stats": {}, "residuals": {}, "cursor": {"position": 0}})
+
+    run_world(1, rank_fn)
+
+
+def test_stats_are_counters_readable_as_a_dict():
+    def rank_fn(rank, comm):
+        opt = _opt(comm)
+        opt.step([np.zeros(4, np.float32)], [np.ones(4, np.float32)])
+        return opt.stats
+
+    stats = run_world(2, rank_fn)[0]
+    assert stats.steps == stats["steps"] == 1
+    assert stats["wire_bytes"] == stats.dense_bytes == 16
+    assert dict(stats)["skipped_steps"] == 0
+    with pytest.raises(KeyError):
+        stats["no_such_counter"]

@@ -10,9 +10,7 @@ travels; the local optimizer updates. SINGA's per-call methods live in
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .accumulate import GradientAccumulator
 from .buckets import is_float, plan_buckets
@@ -20,6 +18,7 @@ from .comm.base import Communicator
 from .counters import Counters
 from .engine import DEFAULT_THRESHOLD, Engine
 from .failfast import install_abort_on_exception
+from .join import JoinMethods, LastStep
 from .local import wrap_local
 from .collectives import CollectiveMethods
 from .singa import SingaMethods
@@ -33,16 +32,7 @@ __all__ = ["DistOpt", "STATE_FORMAT"]
 STATE_FORMAT = 2
 
 
-@dataclass
-class _LastStep:
-    """What the last step ran: ``join`` shadows it and ``flush`` repeats it."""
-
-    strategy: Strategy
-    params: list[Any]
-    threshold: int
-
-
-class DistOpt(CollectiveMethods, SingaMethods):
+class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
     """Data-parallel wrapper around a local optimizer.
 
     Args:
@@ -124,7 +114,7 @@ class DistOpt(CollectiveMethods, SingaMethods):
         self.active_strategy = self.strategy
         self.sampler: Any = None
         self.overlap = bool(overlap)
-        self._last: _LastStep | None = None
+        self._last: LastStep | None = None
         self._joining = False
         if abort_on_exception and comm.name == "mpi":
             install_abort_on_exception()
@@ -234,7 +224,7 @@ class DistOpt(CollectiveMethods, SingaMethods):
             if run is not None:
                 params, grads, pipeline = run
                 self.stats.buckets_started_in_backward += pipeline.next
-                self._last = _LastStep(strategy, params, threshold)
+                self._last = LastStep(strategy, params, threshold)
                 self._step(strategy, params, grads, threshold, pipeline)
                 return
         self._run(strategy, *self.local.backward(loss), threshold)
@@ -247,7 +237,7 @@ class DistOpt(CollectiveMethods, SingaMethods):
         """Check arguments, accumulate micro-batches if asked, then step with ``strategy``."""
         params, grads = _checked(params, grads)
         self.local.remember(params)  # the shared order of an array model's later overlapped backward
-        self._last = _LastStep(strategy, params, threshold)
+        self._last = LastStep(strategy, params, threshold)
         if self._accumulator is not None:
             released = self._accumulator.add(grads)
             if released is None:
@@ -278,73 +268,6 @@ class DistOpt(CollectiveMethods, SingaMethods):
                                                 self.local.momentum_arrays, self.engine.average_arrays))
             self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
         return outcome.active
-
-    def flush(self) -> None:
-        """Apply a partial gradient accumulation now, as its own averaged update.
-
-        With ``backward_passes_per_step=k``, an epoch whose micro-batch count
-        is not a multiple of k leaves some micro-batches accumulated; call
-        ``flush()`` on every rank at the epoch end to apply them (averaged
-        over the micro-batches held), or :meth:`discard_accumulation` to
-        drop them. Either way the next epoch starts with a clean counter.
-        Does nothing without a pending accumulation.
-        """
-        if self._accumulator is None or self._accumulator.count == 0 or self._last is None:
-            return
-        last = self._last
-        self._step(last.strategy, last.params, self._accumulator.release(), last.threshold)
-
-    def discard_accumulation(self) -> None:
-        """Drop a partial gradient accumulation (see :meth:`flush`)."""
-        if self._accumulator is not None:
-            self._accumulator.discard()
-
-    @contextmanager
-    def join(self, params: Sequence[Any] | None = None) -> Iterator[None]:
-        """Let ranks with fewer batches finish early without hanging the others.
-
-        Use around the training loop on every rank (Horovod's ``hvd.join``,
-        PyTorch's ``Join``)::
-
-            with opt.join():
-                for batch in my_batches:      # counts may differ per rank
-                    opt.backward_and_update(loss_of(batch))
-
-        A rank that leaves the loop keeps answering the others' steps with
-        zero gradients and applies the same averaged update, so parameters
-        stay identical; while some ranks have joined, the average is taken
-        over the ranks that contributed (sum / number of active ranks).
-        Works with strategies that support it (plain and half); with any
-        other (sparse, partial) every rank raises ValueError, at the first
-        step inside ``join`` or when a rank has joined. Gradient
-        accumulation is not combined with join.
-
-        Args:
-            params: the parameters, for an array model that ran no step
-                before joining (the PyTorch adapter knows them).
-
-        Raises:
-            ValueError: nothing to shadow (no step yet and no ``params``),
-                or a strategy without ``join`` support.
-        """
-        self._joining = True
-        try:
-            yield
-        except BaseException:
-            self._joining = False
-            raise
-        try:
-            if self._last is not None:
-                strategy, known, threshold = self._last.strategy, self._last.params, self._last.threshold
-            else:
-                owned = self.local.arrays()
-                if params is None and owned is None:
-                    raise ValueError("join() needs params= for an array model that has run no step")
-                strategy, known, threshold = self.strategy, list(owned if params is None else params), DEFAULT_THRESHOLD
-            while self._step(strategy, known, [None] * len(known), threshold, active=False):
-                pass
-        finally:
-            self._joining = False
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -273,3 +273,43 @@ def test_stats_are_counters_readable_as_a_dict():
     assert dict(stats)["skipped_steps"] == 0
     with pytest.raises(KeyError):
         stats["no_such_counter"]
+
+
+# ------------------------------------------------------------------ PyTorch
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+@pytest.mark.parametrize("kind", ["plain", "half", "topk", "partial"])
+def test_torch_singa_methods_equal_strategy_objects_bitwise(kind, overlap, world):
+    """A torch model: backward_and_update with a strategy object == SINGA's method, bitwise."""
+    torch = pytest.importorskip("torch")
+    cls, kwargs, _ = STRATEGIES[kind]
+    singa = {"plain": lambda o, loss: o.backward_and_update(loss, 300),
+             "half": lambda o, loss: o.backward_and_update_half(loss, 300),
+             "topk": lambda o, loss: o.backward_and_sparse_update(loss, 300, 0.3, True),
+             "partial": lambda o, loss: o.backward_and_partial_update(loss, 300)}[kind]
+
+    def rank_fn(rank, comm):
+        out = []
+        for use_object in (True, False):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+            with torch.no_grad():  # per-rank inits from a local generator (threads share the global one)
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+            sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            opt = _opt(comm, sgd, strategy=cls(**kwargs) if use_object else None, buffSize=100, overlap=overlap)
+            for s in range(3):
+                g = torch.Generator().manual_seed(10 * s + rank)
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+                sgd.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.backward_and_update(loss, 300) if use_object else singa(opt, loss)
+            out.append([p.detach().numpy().copy() for p in model.parameters()])
+            out.append(opt.stats["buckets_started_in_backward"])
+        return out
+
+    results = run_world(world, rank_fn)
+    for ours, started, singa_params, _ in results:
+        assert all(np.array_equal(a, b) for a, b in zip(ours, singa_params))
+        assert (started > 0) == (overlap and cls.supports_overlap)
+    if kind != "partial":
+        assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(r[0], results[0][0]))

@@ -407,3 +407,16 @@ def test_gpu_cast(cp):
     np.testing.assert_array_equal(cp.asnumpy(from_wire(w, np.float32, 4.0)), from_wire(to_wire(x, "float16", 0.25), np.float32, 4.0))
     with pytest.raises(TypeError, match="bfloat16"):
         to_wire(cp.asarray(x), "bfloat16", 1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_densify_into_out_equals_a_new_array(dtype):
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 50, 40)  # duplicates add
+    val = rng.standard_normal(40).astype(dtype)
+    out = np.full(50, 7, dtype=dtype)  # stale contents are overwritten
+    got = densify(idx, val, 50, dtype, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, densify(idx, val, 50, dtype))
+    with pytest.raises(ValueError, match="out must be 1-D of 50 elements"):
+        densify(idx, val, 50, dtype, out=np.zeros(49, dtype=dtype))

@@ -9,7 +9,7 @@ import numpy as np
 from ._xp import xp
 
 
-def densify(indices: Any, values: Any, n: int, dtype: Any = None) -> Any:
+def densify(indices: Any, values: Any, n: int, dtype: Any = None, out: Any = None) -> Any:
     """Dense vector of length ``n`` holding the sum of ``values`` at ``indices``.
 
     The receiving side of sparse (top-k or threshold) gradient exchange
@@ -32,9 +32,14 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None) -> Any:
             of arrays matching ``indices``).
         n: Length of the result, in elements.
         dtype: Result dtype; defaults to the dtype of ``values``.
+        out: optional 1-D array of ``n`` elements of ``dtype`` to write the
+            result into (zeroed first). Used in place of a scratch array
+            when ``dtype`` is the accumulation dtype (float32 or float64):
+            one pass fewer and no allocation, the same result.
 
     Returns:
-        1-D array of ``n`` elements of ``dtype``, on the device of ``values``.
+        1-D array of ``n`` elements of ``dtype``, on the device of ``values``
+        (``out`` when it was used).
 
     Raises:
         ValueError: If lengths differ, ``indices`` is not integer, an index
@@ -52,16 +57,28 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None) -> Any:
     if indices.dtype.kind not in "iu":
         raise ValueError(f"indices must be integers, got {indices.dtype}")
     dtype = values.dtype if dtype is None else np.dtype(dtype)
+    if out is not None and (out.shape != (n,) or out.dtype != dtype):
+        raise ValueError(f"out must be 1-D of {n} elements of {dtype}, got {out.shape} {out.dtype}")
     if indices.size == 0:
-        return mod.zeros(n, dtype=dtype)
+        if out is None:
+            return mod.zeros(n, dtype=dtype)
+        out.fill(0)
+        return out
     low, high = int(indices.min()), int(indices.max())
     if low < 0 or high >= n:
         raise ValueError(f"index {low if low < 0 else high} out of range for length {n}")
     # accumulate in float32 (float64 for float64 values): what a dense float32 all-reduce does;
     # a float64 scratch of n elements would cost more than the exchange it serves
     acc = np.float64 if np.dtype(values.dtype) == np.float64 or dtype == np.float64 else np.float32
-    dense = mod.zeros(n, dtype=acc)
+    if out is not None and out.dtype == acc:
+        dense = out
+        dense.fill(0)
+    else:
+        dense = mod.zeros(n, dtype=acc)
     mod.add.at(dense, indices, values.astype(acc, copy=False))  # NumPy, and CuPy >= 13 (atomic adds)
+    if out is not None and dense is not out:
+        out[...] = dense
+        return out
     return dense.astype(dtype, copy=False)
 
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from ..comm.base import Communicator
+from .._array import xp_of
 from ..compress import densify, k_for, threshold_indices, topk_indices
 from .base import BucketContext, Done, Strategy
 
@@ -119,8 +120,9 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
     else:
         all_idx = comm.all_gather_v(idx)
         all_val = comm.all_gather_v(values)
-    flat[...] = densify(all_idx, all_val, n, flat.dtype)
-    flat /= comm.size
+    densify(all_idx, all_val, n, flat.dtype, out=flat)
+    touched = xp_of(flat).concatenate(all_idx) if isinstance(all_idx, list) else all_idx
+    flat[touched] /= comm.size  # only the gathered positions are nonzero: divide k*W values, not n
     return sent_bytes + int(idx.nbytes + values.nbytes)
 
 

@@ -420,3 +420,22 @@ def test_densify_into_out_equals_a_new_array(dtype):
     np.testing.assert_array_equal(out, densify(idx, val, 50, dtype))
     with pytest.raises(ValueError, match="out must be 1-D of 50 elements"):
         densify(idx, val, 50, dtype, out=np.zeros(49, dtype=dtype))
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_fast_casts_are_bitwise_numpy_casts(monkeypatch, wire, scale):
+    """PyTorch's cast kernels (used for NumPy float32 arrays when PyTorch is installed) == NumPy's casts."""
+    pytest.importorskip("torch")
+    from distopt.compress import cast
+
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(70_000).astype(np.float32) * s for s in (1e-7, 1.0, 3e4)]
+                       + [np.array([np.inf, -np.inf, -0.0, 65520, 3e-8, 1e-45], np.float32)])
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(cast, "HAVE_TORCH", fast)
+        w = to_wire(x, wire, scale)
+        results.append((w.view(np.uint16).copy(), from_wire(w, np.float32, 1 / scale)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])

@@ -4,6 +4,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from ._array import xp_of
+
 __all__ = ["SGD"]
 
 
@@ -53,6 +55,7 @@ class SGD:
         self._slots: dict[int, tuple[weakref.ref, int]] = {}
         self._buffers: list[Any] = []
         self._restored: list[Any] = []
+        self._scratch: dict[tuple[type, Any], Any] = {}
 
     def _slot(self, param: Any) -> int:
         entry = self._slots.get(id(param))
@@ -75,20 +78,53 @@ class SGD:
         """
         if param.shape != grad.shape:
             raise ValueError(f"grad shape {grad.shape} does not match param shape {param.shape}")
+        if self.nesterov:
+            self._update_nesterov(param, grad)
+            return
+        # the formula of the class docstring, with one reused scratch array instead of a temporary per
+        # operation (the same operations in the same order: bitwise the same result)
+        tmp = self._scratch_like(param)
         g = grad
         if self.weight_decay:
-            g = g + self.weight_decay * param
+            xp_of(param).multiply(param, self.weight_decay, out=tmp)
+            tmp += grad
+            g = tmp
         if self.momentum:
             i = self._slot(param)
             buf = self._buffers[i]
             if buf is None:
-                buf = g.copy()
-                self._buffers[i] = buf
+                self._buffers[i] = g.copy()
             else:
                 buf *= self.momentum
-                buf += (1 - self.dampening) * g
-            g = g + self.momentum * buf if self.nesterov else buf
-        param -= self.lr * g
+                if self.dampening:
+                    xp_of(param).multiply(g, 1 - self.dampening, out=tmp)
+                    buf += tmp
+                else:
+                    buf += g
+            g = self._buffers[i]
+        xp_of(param).multiply(g, self.lr, out=tmp)
+        param -= tmp
+
+    def _scratch_like(self, param: Any) -> Any:
+        """A scratch array shaped like ``param`` (a view of one flat buffer per array module and dtype)."""
+        key = (type(param), param.dtype)
+        flat = self._scratch.get(key)
+        if flat is None or flat.size < param.size:
+            flat = self._scratch[key] = xp_of(param).empty(param.size, dtype=param.dtype)
+        return flat[:param.size].reshape(param.shape)
+
+    def _update_nesterov(self, param: Any, grad: Any) -> None:
+        g = grad
+        if self.weight_decay:
+            g = g + self.weight_decay * param
+        i = self._slot(param)
+        buf = self._buffers[i]
+        if buf is None:
+            buf = self._buffers[i] = g.copy()
+        else:
+            buf *= self.momentum
+            buf += (1 - self.dampening) * g
+        param -= self.lr * (g + self.momentum * buf)
 
     def momentum_buffer(self, param: Any) -> Any:
         """The momentum buffer of ``param`` (an array), or None before its first update."""

@@ -22,32 +22,48 @@ Baselines (communication only):
 * ``raw-allreduce``: one mpi4py ``Allreduce(IN_PLACE)`` of all 25,557,032
   floats in a preallocated flat buffer: the reference for ``x raw``;
 * ``naive-per-tensor``: one ``Allreduce`` per gradient tensor (161 calls);
+* ``layout``: DistOpt's own bucket layout (reverse order, 1 MiB first
+  bucket, default threshold and buffer size), the buckets prepacked in
+  flat buffers and reduced one ``Allreduce`` at a time (no packing timed);
 * ``ddp-gloo-bucketed``: PyTorch DDP's scheme without the backward overlap:
   tensors in reverse order packed into 25 MiB buckets, each divided by the
   world size and all-reduced with ``torch.distributed`` gloo
   (``async_op=True``, all buckets in flight, as DDP launches them), then
   unpacked. ``x ddp`` refers to it.
 
-DistOpt (``DistOpt(SGD(lr=0.01))``, MPI backend, default threshold and
-buffer size):
+* ``update``: the local ``SGD(lr, momentum=0.9, weight_decay=1e-4)``
+  update alone, on the same arrays (no communication).
 
-* ``step`` (dense, includes the local SGD update of the 25.6M parameters),
-  and ``step, no-op update``: the same with a local optimizer whose update
-  does nothing, i.e. DistOpt's communication path alone;
-* ``step_half`` (float16 wire), ``step_sparse`` top-K 1 % and 0.1 %,
+DistOpt (MPI backend, default threshold and buffer size):
+
+* ``step`` (dense, includes the local SGD update of the 25.6M parameters,
+  momentum 0.9, weight decay 1e-4), and ``step, no-op update``: the same
+  with a local optimizer whose update does nothing, i.e. DistOpt's
+  communication path alone;
+* with a local optimizer that does nothing (the strategy's path alone, as
+  ``step, no-op update``): ``step_half`` (float16 and bfloat16 wire),
+  ``step_sparse`` top-K 1 % and 0.1 %,
   ``step_sparse`` threshold (``|g| >= 2.5758``: 1 % of N(0, 1) entries;
   residuals zeroed before each iteration, untimed, so the density stays at
   the first step's), ``step_partial``.
 
 ``wire MB`` and ``dense MB`` are this rank's bytes handed to the collectives
 per step and what a dense all-reduce of the same gradients would hand over
-(deltas of ``opt.stats``).
+(deltas of ``opt.stats``). ``extra MB`` is the memory a DistOpt variant
+still holds after its warm-up steps (fusion buffers, residuals, wire
+buffers), traced by ``tracemalloc`` (NumPy reports its allocations there),
+and ``extra/grad`` that over the gradients' bytes.
+
+Ratios printed after the table (the issue's targets): the no-op step over
+the fastest raw baseline, the SGD step over (fastest raw + update alone),
+half over the dense no-op step, and sparse over the dense no-op step.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any, Callable
 
@@ -117,10 +133,13 @@ class NoOpUpdate:
 VARIANTS: dict[str, tuple[str, str]] = {
     "raw": ("raw-allreduce (one flat buffer)", "base"),
     "naive": ("naive-per-tensor (161 Allreduce)", "base"),
+    "layout": ("DistOpt's buckets, one Allreduce each", "base"),
+    "update": ("SGD update alone (momentum, wd)", "base"),
     "ddp": ("ddp-gloo-bucketed (25 MiB, reverse)", "base"),
     "step": ("DistOpt.step (SGD update incl.)", "dist"),
     "step_noop": ("DistOpt.step, no-op update", "dist"),
     "half": ("DistOpt.step_half (float16)", "dist"),
+    "half_bf16": ("DistOpt.step_half (bfloat16)", "dist"),
     "topk1": ("DistOpt.step_sparse topK 1%", "dist"),
     "topk01": ("DistOpt.step_sparse topK 0.1%", "dist"),
     "thresh": (f"DistOpt.step_sparse |g|>={THRESHOLD_1PCT}", "dist"),
@@ -193,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t0
 
     variants: list[Variant] = []
+    extra: dict[str, int] = {}  # bytes a DistOpt variant holds after its warm-up (tracemalloc)
     dist = None
     for key in keys:
         if key == "raw":
@@ -209,6 +229,19 @@ def main(argv: list[str] | None = None) -> int:
                 for g in grads:
                     raw.Allreduce(MPI.IN_PLACE, [g, MPI.FLOAT], MPI.SUM)
             variants.append(Variant(key, naive, close=raw.Free))
+        elif key == "layout":
+            raw = world.Dup()
+            plan = distopt.buckets.plan_buckets([(g.shape, g.dtype) for g in master], distopt.engine.DEFAULT_THRESHOLD,
+                                               4194304, reverse=True, first_bucket=distopt.engine.FIRST_BUCKET)
+            flats = [distopt.buckets.pack(b, master)[0].copy() for b in plan]
+
+            def layout(raw: Any = raw, flats: list[np.ndarray] = flats) -> None:
+                for f in flats:
+                    raw.Allreduce(MPI.IN_PLACE, [f, MPI.FLOAT], MPI.SUM)
+            variants.append(Variant(key, layout, prepare=lambda: None, close=raw.Free))
+        elif key == "update":
+            sgd = distopt.SGD(lr=args.lr, momentum=0.9, weight_decay=1e-4)
+            variants.append(Variant(key, lambda sgd=sgd: [sgd.update(p, g) for p, g in zip(params, grads)]))
         elif key == "ddp":
             reason = None
             try:
@@ -224,12 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             variants.append(Variant(key, ddp_bucketed(torch, dist, grads, args.bucket_mib, n)))
         else:
-            local = NoOpUpdate() if key == "step_noop" else distopt.SGD(lr=args.lr)
+            # only ``step`` updates (SGD, momentum, weight decay); the others time the strategy's path alone
+            local = distopt.SGD(lr=args.lr, momentum=0.9, weight_decay=1e-4) if key == "step" else NoOpUpdate()
+            tracemalloc.start()
+            traced_before = tracemalloc.get_traced_memory()[0]
             opt = distopt.DistOpt(local, backend="mpi")
             call: Callable[[], Any] = {
                 "step": lambda opt=opt: opt.step(params, grads),
                 "step_noop": lambda opt=opt: opt.step(params, grads),
                 "half": lambda opt=opt: opt.step_half(params, grads),
+                "half_bf16": lambda opt=opt: opt.step_half(params, grads, wire="bfloat16"),
                 "topk1": lambda opt=opt: opt.step_sparse(params, grads, spars=0.01, topK=True),
                 "topk01": lambda opt=opt: opt.step_sparse(params, grads, spars=0.001, topK=True),
                 "thresh": lambda opt=opt: opt.step_sparse(params, grads, spars=THRESHOLD_1PCT, topK=False),
@@ -242,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                 for r in residuals.buffers.values() if residuals is not None else ():
                     r[...] = 0
             variants.append(Variant(key, call, prepare=prepare, stats=opt.stats, close=opt.close))
+            for _ in range(max(args.warmup, 1)):  # what the variant holds after its first steps
+                variants[-1].run()
+            if key != "step":  # the optimizer's own state (momentum) is not DistOpt's extra memory
+                extra[key] = tracemalloc.get_traced_memory()[0] - traced_before
+            tracemalloc.stop()
 
     # warm-ups, then the timed iterations interleaved (iteration i of every variant, then i + 1, ...)
     # so that a burst of load from other processes hits every variant alike
@@ -263,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
             rec["wire_MB"] = d.get("wire_bytes", 0) / steps / 1e6
             rec["dense_MB"] = d.get("dense_bytes", 0) / steps / 1e6
             rec["wire_ratio"] = d.get("wire_bytes", 0) / max(d.get("dense_bytes", 0), 1)
-            if "sparse_entries" in d:
+            if d.get("sparse_entries", 0):
                 rec["density"] = d["sparse_entries"] / steps / total
                 rec["dense_fallbacks_per_step"] = d.get("sparse_dense_fallbacks", 0) / steps
         else:
-            rec["wire_MB"] = rec["dense_MB"] = total * 4 / 1e6
-            rec["wire_ratio"] = 1.0
+            rec["wire_MB"] = rec["dense_MB"] = total * 4 / 1e6 if v.key != "update" else 0.0
+            rec["wire_ratio"] = 1.0 if v.key != "update" else 0.0
+        if v.key in extra:
+            rec["extra_MB"] = world.allreduce(extra[v.key], op=MPI.MAX) / 1e6
+            rec["extra_per_grad"] = rec["extra_MB"] * 1e6 / (total * 4)
         results[v.key] = rec
         v.close()
     if dist is not None:
@@ -276,30 +321,55 @@ def main(argv: list[str] | None = None) -> int:
 
     if rank != 0:
         return 0
+    raws = [results[k]["time_ms"] for k in ("raw", "naive", "layout") if k in results]
+    fastest = min(raws) if raws else None
     ref = results.get("raw", {}).get("time_ms")
     ddp = results.get("ddp", {}).get("time_ms")
     for rec in results.values():
         rec["x_raw"] = rec["time_ms"] / ref if ref else None
         rec["x_ddp"] = rec["time_ms"] / ddp if ddp else None
-    headers = ["variant", "time ms", "min ms", "x raw", "x ddp", "wire MB", "dense MB", "wire/dense", "density"]
+    headers = ["variant", "time ms", "min ms", "x raw", "x ddp", "wire MB", "dense MB", "wire/dense", "density",
+               "extra MB", "extra/grad"]
     rows = [[r["label"], f"{r['time_ms']:.1f}", f"{r['min_ms']:.1f}",
              f"{r['x_raw']:.2f}" if r["x_raw"] else None, f"{r['x_ddp']:.2f}" if r["x_ddp"] else None,
              f"{r['wire_MB']:.2f}", f"{r['dense_MB']:.2f}", f"{r['wire_ratio']:.4f}",
-             f"{r['density']:.4f}" if "density" in r else None] for r in results.values()]
+             f"{r['density']:.4f}" if "density" in r else None,
+             f"{r['extra_MB']:.1f}" if "extra_MB" in r else None,
+             f"{r['extra_per_grad']:.2f}" if "extra_per_grad" in r else None] for r in results.values()]
     model = "ResNet-50" if args.width_div == 1 else f"ResNet-50 / {args.width_div} widths"
     title = (f"{model} gradients ({len(shapes)} float32 tensors, {total:,} elements), "
              f"{n} processes, {_common.cpus()} CPUs; {args.warmup} warm-up + {args.iters} timed iterations; "
              "time = mean over iterations of the max over ranks; x raw / x ddp = time / baseline time")
     print(_common.table(headers, rows, title))
+    targets = _targets(results, fastest)
+    for name, (value, goal) in targets.items():
+        print(f"{name}: {value:.2f} (target <= {goal})" if value is not None else f"{name}: not measured")
     for k, why in skipped.items():
         print(f"skipped {k}: {why}")
     data = {"benchmark": "step", "env": _common.finish_env(env), "world_size": n,
             "config": {"tensors": len(shapes), "elements": total, "width_div": args.width_div, "warmup": args.warmup,
                        "iters": args.iters, "bucket_mib": args.bucket_mib, "lr": args.lr,
                        "threshold_value": THRESHOLD_1PCT, "quick": args.quick},
-            "results": results, "skipped": skipped}
+            "results": results, "skipped": skipped,
+            "targets": {k: {"ratio": v, "target": t} for k, (v, t) in targets.items()}}
     print(f"wrote {_common.write_json(args.out, data)}")
     return 0
+
+
+def _targets(results: dict[str, dict[str, Any]], fastest: float | None) -> dict[str, tuple[float | None, float]]:
+    """The issue's ratios, each ``(measured, target)`` (None where a variant did not run)."""
+    t = {k: r["time_ms"] for k, r in results.items()}
+
+    def ratio(a: str, b: float | None) -> float | None:
+        return t[a] / b if a in t and b else None
+    dense = t.get("step_noop")
+    update_ref = fastest + t["update"] if fastest and "update" in t else None
+    return {"step no-op / fastest raw": (ratio("step_noop", fastest), 1.10),
+            "step SGD / (fastest raw + update)": (ratio("step", update_ref), 1.10),
+            "half fp16 / dense step": (ratio("half", dense), 1.25),
+            "half bf16 / dense step": (ratio("half_bf16", dense), 1.0),
+            "top-K 1% / dense step": (ratio("topk1", dense), 1.0),
+            "top-K 0.1% / dense step": (ratio("topk01", dense), 0.8)}
 
 
 def ddp_bucketed(torch: Any, dist: Any, grads: list[np.ndarray], bucket_mib: float, world_size: int

@@ -114,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="divide ResNet-50's widths by this (smoke runs; default 1: the real shapes)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
     p.add_argument("--out", type=Path, default=_common.default_out("step"), help="JSON output path")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (phases as stacked bars)")
     args = p.parse_args(argv)
     if args.warmup is None:
         args.warmup = 1 if args.quick else 3
@@ -352,8 +353,53 @@ def main(argv: list[str] | None = None) -> int:
                        "threshold_value": THRESHOLD_1PCT, "quick": args.quick},
             "results": results, "skipped": skipped,
             "targets": {k: {"ratio": v, "target": t} for k, (v, t) in targets.items()}}
-    print(f"wrote {_common.write_json(args.out, data)}")
+    out = _common.write_json(args.out, data)
+    print(f"wrote {out}")
+    if not args.no_plot:
+        png = out.with_suffix(".png")
+        print(plot(png, results, title.split(";")[0]) or f"wrote {png}")
     return 0
+
+
+def plot(path: Path, results: dict[str, dict[str, Any]], title: str) -> str | None:
+    """PNG: each DistOpt step as a stacked bar of phases; returns an error note or None.
+
+    Phases come from the variants of the same run: the raw all-reduce of
+    DistOpt's own buckets (``layout``), DistOpt's work beyond it (the no-op
+    step or strategy minus ``layout``), and the local update (``step`` minus
+    the no-op step).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install matplotlib): no plot"
+    t = {k: r["time_ms"] for k, r in results.items()}
+    comm = t.get("layout", t.get("raw"))
+    if comm is None:
+        return "no raw baseline (layout or raw) in this run: no plot"
+    keys = [k for k in ("step", "step_noop", "half", "half_bf16", "topk1", "topk01", "thresh", "partial") if k in t]
+    update = t["step"] - t["step_noop"] if "step" in t and "step_noop" in t else 0.0
+    raw = [min(comm, t[k]) for k in keys]
+    upd = [max(update, 0.0) if k == "step" else 0.0 for k in keys]
+    rest = [max(t[k] - r - u, 0.0) for k, r, u in zip(keys, raw, upd)]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    labels = [VARIANTS[k][0].replace("DistOpt.", "") for k in keys]
+    ax.barh(labels, raw, label="raw all-reduce of the same buckets")
+    ax.barh(labels, rest, left=raw, label="distopt and strategy work beyond it")
+    ax.barh(labels, upd, left=[a + b for a, b in zip(raw, rest)], label="local SGD update")
+    if "ddp" in t:
+        ax.axvline(t["ddp"], color="k", linestyle="--", label="DDP-style gloo, bucketed")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (mean over iterations, max over ranks)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
 
 
 def _targets(results: dict[str, dict[str, Any]], fastest: float | None) -> dict[str, tuple[float | None, float]]:

@@ -180,3 +180,77 @@ def test_grad_is_the_average_when_backward_returns(overlap):
     for a, b, want in zip(ranks[0], ranks[1], ref.parameters()):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want.grad, rtol=0, atol=1e-12)
+
+
+def test_torch_tensors_in_collectives_and_metrics():
+    def rank_fn(rank, comm):
+        opt = DistOpt(torch.optim.SGD(make_model(rank).parameters(), lr=0.1), comm=comm)
+        t = torch.tensor([1.0, 2.0]) * (rank + 1)
+        assert opt.all_reduce(t) is t
+        b = torch.full((3,), float(rank))
+        opt.broadcast(b, root=1)
+        m = opt.all_reduce_metrics({"loss": torch.tensor(rank + 1.0), "per_class": torch.tensor([rank, 1.0])},
+                                   mean=("loss",))
+        return t.tolist(), b.tolist(), m["loss"], m["per_class"].tolist(), opt.all_gather_object({"r": rank})
+
+    for t, b, loss, per_class, gathered in run_world(W, rank_fn):
+        assert t == [3.0, 6.0] and b == [1.0, 1.0, 1.0] and loss == 1.5 and per_class == [1.0, 2.0]
+        assert gathered == [{"r": 0}, {"r": 1}]
+
+
+def test_broadcast_state_restores_root_everywhere():
+    """A checkpoint restored on rank 0 only: parameters and optimizer state (momentum, lr) reach rank 1."""
+    def rank_fn(rank, comm):
+        model = make_model(rank)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = DistOpt(inner, comm=comm, model=model)
+        opt.broadcast_state()  # empty optimizer state works
+        if rank == 0:
+            source = make_model(7)
+            src_opt = torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9)
+            loss_of(source, *batch(0)).backward()
+            src_opt.step()
+            src_opt.param_groups[0]["lr"] = 0.02
+            model.load_state_dict(source.state_dict())
+            inner.load_state_dict(src_opt.state_dict())
+        opt.broadcast_state(root=0)
+        bufs = [inner.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], bufs, inner.param_groups[0]["lr"]
+
+    (p0, m0, lr0), (p1, m1, lr1) = run_world(W, rank_fn)
+    assert lr0 == lr1 == 0.02
+    assert all(torch.equal(a, b) for a, b in zip(p0 + m0, p1 + m1))
+
+
+def test_array_average_in_place_without_update():
+    def rank_fn(rank, comm):
+        from distopt import SGD
+
+        opt = DistOpt(SGD(lr=1.0), comm=comm)
+        params = [np.zeros(3), np.zeros(2)]
+        grads = [np.full(3, rank + 1.0), np.full(2, 10.0 * rank)]
+        out = opt.average(params, grads)
+        return params, out, grads
+
+    for params, out, grads in run_world(W, rank_fn):
+        assert all((p == 0).all() for p in params)
+        assert out[0] is grads[0] and grads[0].tolist() == [1.5] * 3 and grads[1].tolist() == [5.0, 5.0]
+
+
+def test_model_names_differ_raise_on_every_rank():
+    from distopt import CollectiveMismatchError
+    from tests.simworld import RankFailed
+
+    def rank_fn(rank, comm):
+        model = make_model(0)
+        if rank == 1:
+            model = torch.nn.Sequential()
+            model.add_module("first", torch.nn.Linear(5, 7).double())
+        try:
+            DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, model=model)
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in run_world(W, rank_fn):
+        assert "rank 0 has '0.weight', rank 1 has 'first.weight'" in msg, msg

@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from distopt import DistOpt  # noqa: E402
+from tests.test_torch_cases import _Boom as Boom  # noqa: E402
 
 B, STEPS = 3, 3
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
@@ -68,27 +69,18 @@ def test_idiom_equals_one_process(world, how, overlap):
 
 @OVERLAP
 def test_h37_exception_in_backward_on_every_rank_recovers(world, overlap):
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, fail):
-            ctx.fail = fail
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            if ctx.fail:
-                raise RuntimeError("simulated out-of-memory")
-            return g, None
-
     g = torch.Generator().manual_seed(world.rank)
     l1, l2 = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
     opt = DistOpt(torch.optim.SGD([l1.weight, l2.weight], lr=0.01), overlap=overlap, buffSize=9)
     for trial in range(6):
         for step in range(3):
             x = torch.randn(4, 3, generator=g)
+            key = ("mpi", overlap, trial, step)
+            if step == 1:
+                Boom.armed["fail"].add(key)
             opt.zero_grad()
             try:
-                (l2(Boom.apply(l1(x), step == 1)) ** 2).sum().backward()
+                (l2(Boom.apply(l1(x), key)) ** 2).sum().backward()
             except RuntimeError as exc:
                 assert "simulated" in str(exc)
                 opt.zero_grad()

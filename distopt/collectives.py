@@ -6,7 +6,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .comm.base import Communicator
-from .metrics import broadcast_object, reduce_metrics
+from .metrics import all_gather_object, broadcast_object, reduce_metrics
 
 __all__ = ["CollectiveMethods"]
 
@@ -18,16 +18,30 @@ class CollectiveMethods:
     world_size: int
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
-        """In-place all-reduce of one array (sum by default); see :class:`~distopt.comm.base.Communicator`."""
-        return self.comm.all_reduce(array, op=op)
+        """In-place all-reduce of one array or contiguous torch tensor (sum by default), zero-copy.
+
+        Returns:
+            ``array`` itself, holding the result.
+
+        Raises:
+            TypeError: a non-contiguous or sparse tensor.
+        """
+        self.comm.all_reduce(_view(array), op=op)
+        return array
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast of one array from ``root``."""
-        return self.comm.broadcast(array, root=root)
+        """In-place broadcast of one array or contiguous torch tensor from ``root``; returns ``array``."""
+        self.comm.broadcast(_view(array), root=root)
+        return array
 
-    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, float]:
-        """Sum scalar metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Sum metrics (scalars or vectors) over ranks (means for names in ``mean``); see
+        :func:`distopt.metrics.reduce_metrics`."""
         return reduce_metrics(self.comm, metrics, mean)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank; see :func:`distopt.metrics.all_gather_object`."""
+        return all_gather_object(self.comm, obj)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Send a picklable object from ``root`` to every rank; see :func:`distopt.metrics.broadcast_object`."""
@@ -55,3 +69,12 @@ class CollectiveMethods:
             return bool(vote[0])
         self.comm.all_reduce(vote, op="sum")
         return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.world_size)
+
+
+def _view(array: Any) -> Any:
+    """A NumPy/CuPy view of a torch tensor (zero-copy); other arrays as they are."""
+    if type(array).__module__.startswith("torch"):
+        from .torch import as_array
+
+        return as_array(array)
+    return array

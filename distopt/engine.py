@@ -152,10 +152,11 @@ class Engine:
 
     # ------------------------------------------------------------- the step
     def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int,
-              joined: bool = False) -> BucketPipeline:
+              joined: bool = False, views: bool = True) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
         ``joined``: this rank is inside ``join()`` (stepping or shadowing).
+        ``views``: see :class:`~distopt.pipeline.BucketPipeline`.
 
         Raises:
             CollectiveMismatchError: parameters or settings differ across ranks.
@@ -165,14 +166,20 @@ class Engine:
         with self.context("parameter check"):
             layout = self._agree(strategy, params, threshold, joined)
         return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
-                              self.comm, self.counters, self.context)
+                              self.comm, self.counters, self.context, views)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place.
 
         A missing gradient counts as zero; a parameter with no gradient on
         any rank is reported absent; integer and boolean parameters are
-        never reduced. On a skipped step nothing is written.
+        never reduced. A step skipped before the reduction (a rank's own
+        gradient is not finite) writes nothing.
+
+        With ``check_finite`` the decision is also taken on the REDUCED
+        gradient (an overflowing half-precision sum of finite inputs), with
+        one more one-element all-reduce so every rank decides the same; the
+        averaged (non-finite) values are then left in ``grads``.
         """
         pipeline.launch_rest(grads)
         outcome = self.agree_on_gradients(pipeline.params, grads, active)
@@ -180,6 +187,15 @@ class Engine:
             pipeline.abandon()
             return outcome
         pipeline.finish(grads, outcome.active)
+        if self.check_finite:
+            bad = np.array([any(not bool(xp_of(g).isfinite(g).all())
+                                for g, ok in zip(grads, outcome.present) if ok and g is not None and is_float(g))],
+                           dtype=np.int32)
+            with self.context("agreement on the reduced gradient being finite"):
+                self.comm.all_reduce(bad, op="max")
+            if bad[0]:
+                outcome.skipped = True
+                self.counters.skipped_steps += 1
         return outcome
 
     def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool) -> Outcome:

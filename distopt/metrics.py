@@ -8,12 +8,12 @@ import numpy as np
 
 from .comm.base import Communicator
 
-__all__ = ["reduce_metrics", "broadcast_object"]
+__all__ = ["reduce_metrics", "broadcast_object", "all_gather_object"]
 
 
 def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
-                   mean: tuple[str, ...] = ()) -> dict[str, float]:
-    """Sum scalar metrics over all ranks; the caller's values are not changed.
+                   mean: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Sum metrics (scalars or vectors) over all ranks; the caller's values are not changed.
 
     Every rank must call this with the same keys (in any order): the values
     travel in one float64 all-reduce of ``len(metrics)`` elements, sorted by
@@ -22,11 +22,14 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
 
     Args:
         comm: the communicator.
-        metrics: name -> scalar (Python number, NumPy/CuPy/torch scalar).
+        metrics: name -> scalar or array (Python number, NumPy/CuPy/torch
+            scalar or tensor of any shape, e.g. per-class counts); every rank
+            must give each name the same shape.
         mean: names to divide by the world size after summing.
 
     Returns:
-        name -> float, the sum (or the mean for names in ``mean``).
+        name -> float for scalars, a float64 NumPy array (same shape) for
+        arrays: the sum, or the mean for names in ``mean``.
 
     Raises:
         KeyError: a name in ``mean`` is not in ``metrics``.
@@ -36,9 +39,32 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
         if name not in metrics:
             raise KeyError(f"mean names {name!r}, which is not among the metrics {sorted(metrics)}")
     keys = sorted(metrics)
-    buf = np.array([float(metrics[k]) for k in keys], dtype=np.float64)
+    values = [_host(metrics[k]) for k in keys]
+    sizes = [v.size for v in values]
+    buf = np.concatenate([v.reshape(-1) for v in values]) if values else np.zeros(0)
     comm.all_reduce(buf, op="sum")
-    return {k: float(v) / (comm.size if k in mean else 1) for k, v in zip(keys, buf)}
+    out: dict[str, Any] = {}
+    offset = 0
+    for k, v, n in zip(keys, values, sizes):
+        part = buf[offset:offset + n].reshape(v.shape) / (comm.size if k in mean else 1)
+        out[k] = float(part) if v.ndim == 0 else part
+        offset += n
+    return out
+
+
+def _host(value: Any) -> np.ndarray:
+    """A float64 NumPy copy of a number, NumPy/CuPy array or torch tensor."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    elif hasattr(value, "get") and type(value).__module__.startswith("cupy"):
+        value = value.get()
+    return np.asarray(value, dtype=np.float64)
+
+
+def all_gather_object(comm: Communicator, obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` in rank order, on every rank (one variable-length all-gather)."""
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
+    return [pickle.loads(part.tobytes()) for part in comm.all_gather_v(payload)]
 
 
 def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:

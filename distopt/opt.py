@@ -20,19 +20,20 @@ from .engine import DEFAULT_THRESHOLD, Engine
 from .failfast import install_abort_on_exception
 from .join import JoinMethods, LastStep
 from .local import wrap_local
+from .autosync import AutoSync
+from .torch import TorchOptimizer
+from .model_sync import attach_model
 from .collectives import CollectiveMethods
 from .singa import SingaMethods
+from .state import STATE_FORMAT, StateMethods
 from .strategy_set import StrategySet
 from .strategies import Dense, Strategy, UpdateContext
+from .surface import SurfaceMethods
 from .world import build_world
 
 __all__ = ["DistOpt", "STATE_FORMAT"]
 
-#: Version of :meth:`DistOpt.state_dict`'s layout (2: strategies own their state).
-STATE_FORMAT = 2
-
-
-class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
+class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, SingaMethods):
     """Data-parallel wrapper around a local optimizer.
 
     Args:
@@ -57,8 +58,10 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
         timeout: collective deadline in seconds (default
             ``$DISTOPT_TIMEOUT`` or 300).
         backward_passes_per_step: micro-batches accumulated locally per
-            update (Horovod's name); their MEAN is all-reduced once per k
-            calls. See :meth:`flush` for an epoch end.
+            update (Horovod's name). Array models: their MEAN is all-reduced
+            once per k calls (see :meth:`flush`). PyTorch: the first k-1
+            ``loss.backward()`` calls accumulate in ``.grad``, the k-th
+            averages the sum (use ``loss / k``; see :mod:`distopt.autosync`).
         check_finite: skip a step on EVERY rank when any rank's gradient has
             a NaN or inf, counted in ``stats["skipped_steps"]``.
         abort_on_exception: under MPI, make an uncaught exception on any
@@ -69,7 +72,15 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
             post-accumulate-grad hooks, or an array loss whose
             ``backward()`` yields ``(param, grad)`` pairs). Results are
             identical to ``overlap=False``. Not combined with
-            ``backward_passes_per_step > 1``.
+            ``backward_passes_per_step > 1`` for array models.
+        model: the ``torch.nn.Module``: rank 0's parameters (all of them)
+            and buffers are broadcast here, and parameter names join the
+            cross-rank check. Without it only the optimizer's parameters
+            are broadcast; buffers never are.
+        broadcast_buffers: with ``model``, broadcast rank 0's buffers before
+            each training-mode forward (DDP's default).
+        sparse_as_dense: densify sparse PyTorch gradients before averaging
+            (else a sparse gradient raises TypeError at the first backward).
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -92,13 +103,16 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
                  gpu_per_node: int | None = None, buffSize: int = 4194304, *, strategy: Strategy | None = None,
                  backend: str | None = None, comm: Communicator | None = None, timeout: float | None = None,
                  backward_passes_per_step: int = 1, check_finite: bool = False, abort_on_exception: bool = True,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
+                 sparse_as_dense: bool = False) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a distopt.strategies.Strategy, got {type(strategy).__name__}")
-        self._accumulator = GradientAccumulator(backward_passes_per_step) if backward_passes_per_step != 1 else None
         self.local = wrap_local(opt)
+        torch_opt = isinstance(self.local, TorchOptimizer)
+        self._accumulator = (GradientAccumulator(backward_passes_per_step)
+                             if backward_passes_per_step != 1 and not torch_opt else None)
         self.opt = opt
         if comm is None:
             comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
@@ -118,8 +132,13 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
         self._joining = False
         if abort_on_exception and comm.name == "mpi":
             install_abort_on_exception()
+        self.model = model
+        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, DEFAULT_THRESHOLD)
+                      if isinstance(self.local, TorchOptimizer) else None)
         owned = self.local.arrays()
-        if owned is not None:
+        if model is not None:
+            attach_model(self, model, broadcast_buffers)
+        elif owned is not None:
             self.sync_params(owned)
 
     # ------------------------------------------------------------- names
@@ -180,8 +199,12 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
             self.engine.average_arrays(bucket, floats, "parameter averaging")
 
     # ------------------------------------------------------------ steps
-    def step(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD) -> None:
+    def step(self, params: Any = None, grads: Sequence[Any] | None = None,
+             threshold: int = DEFAULT_THRESHOLD) -> Any:
         """Average ``grads`` across ranks with :attr:`strategy`, then update ``params``.
+
+        PyTorch: ``step()`` or ``step(closure)`` is ``optimizer.step(closure)``
+        (``.grad`` was averaged by ``loss.backward()``; returns the closure's loss).
 
         Args:
             params: arrays (NumPy or CuPy) in the same order on every rank.
@@ -198,7 +221,10 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
                 agreement checks or a missed deadline, naming the step and
                 bucket; no parameter is changed then.
         """
+        if grads is None and (params is None or callable(params)):
+            return self._torch_step(params)
         self._run(self.strategy, params, grads, threshold)
+        return None
 
     def backward_and_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD) -> None:
         """Backward pass, reduction with :attr:`strategy`, local update (see :meth:`step`).
@@ -218,6 +244,11 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
         self._backward_run(self.strategy, loss, threshold)
 
     def _backward_run(self, strategy: Strategy, loss: Any, threshold: int) -> None:
+        if self._sync is not None and self._sync.k > 1 and strategy is self.strategy:
+            loss.backward()  # accumulates in .grad; the k-th pass averages
+            if self._sync.passes == 0:
+                self.local.optimizer.step()  # type: ignore[attr-defined]
+            return
         if self.overlap and strategy.supports_overlap and self._accumulator is None:
             run = self.local.overlapped_backward(
                 loss, lambda params: self._begin(strategy, params, threshold, joined=self._joining))
@@ -229,9 +260,19 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
                 return
         self._run(strategy, *self.local.backward(loss), threshold)
 
-    def _begin(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool = False) -> Any:
+    def _begin(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool = False,
+               views: bool = True) -> Any:
         strategy.bind(self.world_size, self.local)
-        return self.engine.begin(strategy, params, threshold, joined)
+        return self.engine.begin(strategy, params, threshold, joined, views)
+
+    def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int) -> None:
+        """The strategy's after-update (partial averaging) over the float ``params``."""
+        floats = [p for p in params if is_float(p)]
+        strategy.after_update(UpdateContext(floats, threshold, self.comm, self.stats,
+                                            self.local.momentum_arrays, self.engine.average_arrays))
+        self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
+
+    _checked = staticmethod(lambda params, grads: _checked(params, grads))
 
     def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int) -> None:
         """Check arguments, accumulate micro-batches if asked, then step with ``strategy``."""
@@ -263,40 +304,8 @@ class DistOpt(CollectiveMethods, JoinMethods, SingaMethods):
         if outcome.applies:
             self.local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
             self.stats.steps += 1
-            floats = [p for p in params if is_float(p)]
-            strategy.after_update(UpdateContext(floats, threshold, self.comm, self.stats,
-                                                self.local.momentum_arrays, self.engine.average_arrays))
-            self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
+            self._after_update(strategy, params, threshold)
         return outcome.active
-
-    # --------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue: the local optimizer's, the strategies' and the counters' state.
-
-        Strategies whose state is per rank (error-feedback residuals) are
-        under ``"rank_local"``; the rest is identical on every rank.
-        """
-        state = {"format": STATE_FORMAT, "local": self.local.state_dict(), "stats": self.stats.state_dict(),
-                 **self._strategies.state_dict()}
-        if self.sampler is not None:
-            state["sampler"] = self.sampler.state_dict()
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (a SINGA method's strategy receives its state at its next call).
-
-        Raises:
-            ValueError: ``state`` was written in another format (an older distopt).
-        """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"state has format {state.get('format', 1)!r}; this distopt reads format "
-                             f"{STATE_FORMAT} (strategies own their state, residuals keyed by the new bucket "
-                             "layout): re-create the checkpoint with this version")
-        self.local.load_state_dict(state["local"])
-        self.stats.load_state_dict(state["stats"])
-        self._strategies.load_state_dict(state)
-        if self.sampler is not None and "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
         """Release the communicator and the reduction thread."""

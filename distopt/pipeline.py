@@ -98,12 +98,17 @@ class BucketPipeline:
         counters: the step counters.
         context: ``context(where)`` wraps collective errors with the step
             and the bucket.
+        views: reduce a lone contiguous gradient in place (no copy). False
+            packs every bucket into a buffer the pipeline owns, so that a
+            reduction abandoned by an exception in backward never writes
+            into gradient memory the user has since reused.
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
-                 context: Callable[[str], Any]) -> None:
+                 context: Callable[[str], Any], views: bool = True) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
+        self.views = views
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
         self.context = context
         self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
@@ -125,7 +130,7 @@ class BucketPipeline:
         """Bucket ``b``'s flat buffer: a lone contiguous gradient itself, else the layout's packing buffer."""
         if b not in self.flats:
             bucket = self.buckets[b]
-            if bucket.alone and grad is not None and grad.flags.c_contiguous:
+            if self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
                 self.flats[b] = (grad.reshape(-1), True)
             else:
                 buf = self.buffers.get(b)

@@ -1,0 +1,11 @@
+"""DDP semantics with a PyTorch optimizer under mpiexec -n 2 (tests/mpi/mpi_ddp.py)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_mpi_suite
+
+
+def test_ddp_idioms_mpi():
+    pytest.importorskip("torch")
+    run_mpi_suite("mpi_ddp.py", 2, timeout=240.0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -227,3 +228,44 @@ def test_h47_param_groups_and_a_group_added_later(overlap, via):
         assert seen[1][0] == [-3.0, -3.0]
         assert seen[1][1] == pytest.approx([-4.35, -4.35], abs=1e-6)
         assert a == [-4.5, -4.5] and c == [0.25, 0.25]
+
+
+@OVERLAP
+def test_h33b_nan_with_the_option_off_is_identical_on_every_rank(overlap):
+    def rank_fn(rank, comm):
+        p = torch.zeros(2, requires_grad=True)
+        opt = DistOpt(torch.optim.SGD([p], lr=1.0), comm=comm, overlap=overlap)
+        linear_loss([p], [torch.tensor([float("nan"), 1.0] if rank == 0 else [1.0, 1.0])]).backward()
+        opt.step()
+        return p.detach().numpy().copy()
+
+    p0, p1 = run_world(2, rank_fn)
+    assert p0.tobytes() == p1.tobytes()  # NaN in the same slot, the same bits
+    assert np.isnan(p0[0]) and p0[1] == -1.0
+
+
+@OVERLAP
+def test_h47c_tied_weight_gets_the_average_of_both_uses(overlap):
+    e0 = torch.arange(6.0).reshape(3, 2) / 10
+
+    def local_loss(e, rank):
+        h = e[torch.tensor([0, 2] if rank == 0 else [1, 1])]  # embedding lookup
+        return (h @ e.T).pow(2).sum()  # output projection with the same weight
+
+    want = e0 - (_grad_of(local_loss, e0, 0) + _grad_of(local_loss, e0, 1)) / 2  # both uses, averaged
+
+    def rank_fn(rank, comm):
+        e = torch.nn.Parameter(e0.clone() + rank)  # rank 0's value is broadcast
+        opt = DistOpt(torch.optim.SGD([e], lr=1.0), comm=comm, overlap=overlap)
+        local_loss(e, rank).backward()
+        opt.step()
+        return e.detach().clone()
+
+    for e in run_world(2, rank_fn):
+        assert (e - want).abs().max().item() < 1e-5
+
+
+def _grad_of(loss_fn, e0, rank):
+    e = e0.clone().requires_grad_(True)
+    loss_fn(e, rank).backward()
+    return e.grad

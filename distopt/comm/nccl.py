@@ -27,7 +27,11 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
     raise ImportError(f"the NCCL backend needs CuPy with NCCL: {exc}") from exc
 
 from ..errors import CollectiveTimeoutError, DistOptError
-from .base import check_reduce_args, default_timeout
+from .base import check_reduce_args
+from .lifecycle import CommunicatorState, collective
+from .wait import Backoff, resolve_timeout, wait_until
+
+_BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 
 __all__ = ["NcclCommunicator", "unique_id_from_mpi", "new_unique_id"]
 
@@ -80,7 +84,7 @@ class _Enqueued:
         return self._array
 
 
-class NcclCommunicator:
+class NcclCommunicator(CommunicatorState):
     """Collectives on CuPy arrays over one NCCL communicator.
 
     Args:
@@ -106,7 +110,7 @@ class NcclCommunicator:
             raise ValueError("unique_id is required for the NCCL backend (an NcclIdHolder carrying an NCCL id)")
         self.rank = int(rank)
         self.size = int(size)
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = resolve_timeout(timeout)
         self.device = cupy.cuda.Device(device)
         self.device.use()
         self._comm = _open(self.size, unique_id, self.rank)
@@ -122,21 +126,22 @@ class NcclCommunicator:
                 aborted, so no rank stays blocked in a kernel).
         """
         done = cupy.cuda.get_current_stream().record()
-        deadline = time.monotonic() + self.timeout
-        delay = 0.0
-        while not done.done:
+
+        def check() -> None:
             try:
                 self._comm.check_async_error()
             except nccl.NcclError as exc:
                 self._abort()
                 raise DistOptError(f"{what} on rank {self.rank}: NCCL error {exc}; communicator aborted") from exc
-            if time.monotonic() > deadline:
-                self._abort()
-                raise CollectiveTimeoutError(
-                    f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
-                    "stuck, or ran a different number of steps); NCCL communicator aborted")
-            time.sleep(delay)
-            delay = min(1e-3, delay * 2 + 1e-5)
+
+        def expired() -> CollectiveTimeoutError:
+            self._abort()
+            return CollectiveTimeoutError(
+                f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
+                "stuck, or ran a different number of steps); NCCL communicator aborted")
+
+        wait_until(lambda: done.done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF, check=check,
+                   check_every_s=0.0)
 
     def _abort(self) -> None:
         if self._comm is not None:
@@ -159,6 +164,7 @@ class NcclCommunicator:
             raise TypeError(f"dtype {array.dtype} is not supported by the NCCL backend")
         return _TYPES[array.dtype]
 
+    @collective
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
 
@@ -179,6 +185,7 @@ class NcclCommunicator:
             array /= self.size
         return array
 
+    @collective
     def all_reduce_async(self, array: Any, op: str = "sum") -> _Enqueued:
         """Enqueue the all-reduce on the comm stream and return at once.
 
@@ -187,6 +194,7 @@ class NcclCommunicator:
         """
         return _Enqueued(self.all_reduce(array, op))
 
+    @collective
     def broadcast(self, array: Any, root: int = 0) -> Any:
         """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
         if isinstance(array, np.ndarray):
@@ -199,6 +207,7 @@ class NcclCommunicator:
             self._run(lambda s: self._comm.bcast(array.data.ptr, array.size, dtype, root, s))
         return array
 
+    @collective
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
         if isinstance(array, np.ndarray):
@@ -212,6 +221,7 @@ class NcclCommunicator:
             self._run(lambda s: self._comm.allGather(src.data.ptr, out.data.ptr, src.size, dtype, s))
         return out
 
+    @collective
     def all_gather_v(self, array: Any) -> list[Any]:
         """Variable-length all-gather of 1-D arrays: counts first (one host sync), then padded data."""
         if array.ndim != 1:
@@ -224,13 +234,20 @@ class NcclCommunicator:
         gathered = self.all_gather(padded)
         return [gathered[r, :int(c)] for r, c in enumerate(counts)]
 
+    @collective
     def barrier(self) -> None:
         """All-reduce one element and wait for it on the host."""
         self.all_reduce(cupy.zeros(1, dtype=cupy.float32))
         self._host_wait("barrier")
 
     def close(self) -> None:
-        """Destroy the NCCL communicator (idempotent); a pending collective is waited for, bounded."""
+        """Destroy the NCCL communicator (idempotent); a pending collective is waited for, bounded.
+
+        Every later call raises :class:`~distopt.errors.CommunicatorClosedError`.
+        """
+        if self.closed:
+            return
+        self.closed = True
         if self._comm is not None:
             self._host_wait("close")
             self._comm.destroy()

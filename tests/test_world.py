@@ -37,6 +37,26 @@ def _run(argv: list[str], timeout: float = 90, **env: str) -> subprocess.Complet
                     f"\n{(exc.stderr or b'')[-3000:]!r}")
 
 
+def _run_together(jobs: list[tuple[str, list[str], dict[str, str]]], timeout: float = 90) -> list[str]:
+    """Start ``(name, argv, env)`` jobs at once; their outputs; fail naming the one that stalled or failed."""
+    procs = [(name, subprocess.Popen(argv, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)) for name, argv, env in jobs]
+    outs = []
+    try:
+        for name, proc in procs:
+            try:
+                outs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} stalled (over {timeout:.0f} s)")
+            assert proc.returncode == 0, f"{name} failed: {outs[-1][-3000:]}"
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outs
+
+
 def _results(out: str) -> list[list]:
     return sorted(json.loads(m) for m in re.findall(r"RESULT (\[.*?\]\])", out))
 
@@ -94,39 +114,21 @@ def test_torchrun_two_processes_distopt_without_arguments():
 def test_torchrun_two_nodes_on_localhost():
     """Two torchrun commands, --nnodes 2 --node-rank 0|1, one process each: ranks 0 and 1, both local rank 0."""
     port = str(free_port())
-    cmds = [[*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
-             "127.0.0.1", "--master-port", port, str(LAUNCHED / "average_step.py")] for node in range(2)]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in cmds]
-    outs = []
-    for node, proc in enumerate(nodes):
-        try:
-            outs.append(proc.communicate(timeout=90)[0])
-        except subprocess.TimeoutExpired:
-            for p in nodes:
-                p.kill()
-            pytest.fail(f"node {node} (torchrun --node-rank {node}) stalled")
-        assert proc.returncode == 0, f"node {node}: {outs[-1][-3000:]}"
+    outs = _run_together([(f"node {node} (torchrun --node-rank {node})",
+                           [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                            "--master-addr", "127.0.0.1", "--master-port", port, str(LAUNCHED / "average_step.py")],
+                           {}) for node in range(2)])
     got = [_results(out) for out in outs]
     assert got == [[["torch", 0, 2, 0, [-1.5] * 3]], [["torch", 1, 2, 0, [-1.5] * 3]]], outs
 
 
 @pytest.mark.timeout(60)
-def test_slurm_variables_with_master_addr_use_torch(tmp_path):
+def test_slurm_variables_with_master_addr_use_torch():
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(LAUNCHED / "average_step.py")], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_NODEID="0",
-                                       SLURM_NNODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
-    outs = []
-    for r, p in enumerate(procs):
-        try:
-            outs.append(p.communicate(timeout=50)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"Slurm task {r} stalled")
+    outs = _run_together([(f"Slurm task {r}", [sys.executable, str(LAUNCHED / "average_step.py")],
+                           dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_NODEID="0",
+                                SLURM_NNODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)],
+                         timeout=50)
     assert [_results(o) for o in outs] == [[["torch", r, 2, r, [-1.5] * 3]] for r in range(2)], outs
 
 

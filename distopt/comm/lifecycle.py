@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from ..errors import CommunicatorClosedError
 
-__all__ = ["collective", "timed", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState"]
+__all__ = ["collective", "timed", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState",
+           "Completed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -107,6 +108,25 @@ def collective(method: F) -> F:
             self._in_call = False
 
     return call  # type: ignore[return-value]
+
+
+class Completed:
+    """The handle of an all-reduce that needs no host wait: ``test()`` is True, ``wait()`` returns the array.
+
+    Used where the result is ready (world size 1) or already ordered on the
+    caller's CUDA stream (NCCL).
+    """
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def test(self) -> bool:
+        """Always True."""
+        return True
+
+    def wait(self) -> Any:
+        """The array."""
+        return self._array
 
 
 _open: list[Any] = []

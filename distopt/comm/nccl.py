@@ -28,7 +28,7 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
 
 from ..errors import CollectiveTimeoutError, DistOptError
 from .base import check_reduce_args
-from .lifecycle import CommunicatorState, collective
+from .lifecycle import CommunicatorState, Completed, collective
 from .wait import Backoff, resolve_timeout, wait_until
 
 _BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
@@ -69,19 +69,6 @@ def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
         buf[:] = new_unique_id()
     mpi.broadcast(buf, root=0)
     return tuple(int(v) for v in buf)
-
-
-class _Enqueued:
-    """A collective already ordered on the caller's stream."""
-
-    def __init__(self, array: Any) -> None:
-        self._array = array
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._array
 
 
 class NcclCommunicator(CommunicatorState):
@@ -186,13 +173,13 @@ class NcclCommunicator(CommunicatorState):
         return array
 
     @collective
-    def all_reduce_async(self, array: Any, op: str = "sum") -> _Enqueued:
+    def all_reduce_async(self, array: Any, op: str = "sum") -> Completed:
         """Enqueue the all-reduce on the comm stream and return at once.
 
         The host never blocks: the caller's current stream already waits for
         the result, so ``wait()`` only returns the array.
         """
-        return _Enqueued(self.all_reduce(array, op))
+        return Completed(self.all_reduce(array, op))
 
     @collective
     def broadcast(self, array: Any, root: int = 0) -> Any:

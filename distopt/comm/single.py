@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import check_reduce_args
-from .lifecycle import CommunicatorState, collective
+from .lifecycle import CommunicatorState, Completed, collective
 
 __all__ = ["SingleCommunicator"]
 
@@ -42,7 +42,7 @@ class SingleCommunicator(CommunicatorState):
     def all_reduce_async(self, array: Any, op: str = "sum") -> Any:
         """Return a completed handle: ``test()`` is True, ``wait()`` returns ``array``."""
         check_reduce_args(array, op)
-        return _Done(array)
+        return Completed(array)
 
     @collective
     def broadcast(self, array: Any, root: int = 0) -> Any:
@@ -82,15 +82,3 @@ class SingleCommunicator(CommunicatorState):
     def __repr__(self) -> str:
         return "SingleCommunicator()"
 
-
-class _Done:
-    """A reduction that is already complete."""
-
-    def __init__(self, array: Any) -> None:
-        self._array = array
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._array

@@ -94,7 +94,8 @@ def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[
         check_every_s: period of ``check`` in seconds.
 
     Raises:
-        whatever ``on_timeout()`` returns, at the deadline; whatever ``check`` raises.
+        BaseException: what ``on_timeout()`` returns, at the deadline; what
+            ``check`` raises, as soon as it does.
     """
     if done():
         return

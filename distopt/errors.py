@@ -10,6 +10,7 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommunicatorClosedError",
 ]
 
 
@@ -38,4 +39,13 @@ class CollectiveTimeoutError(DistOptError, TimeoutError):
 
     The message names the operation, the deadline in seconds and, where the
     backend can tell, the ranks that did not arrive.
+    """
+
+
+class CommunicatorClosedError(DistOptError, ValueError):
+    """A communicator was used after :meth:`close`.
+
+    Raised at once on the rank that made the call, before anything is sent,
+    so every rank that uses its closed communicator gets it without waiting
+    for the others. The message names the backend, the rank and the call.
     """

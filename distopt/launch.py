@@ -5,15 +5,20 @@ Two forms, after SINGA's multiprocess launch (one ``NcclIdHolder`` shared by
 
 * :func:`spawn` runs ``fn(nccl_id, gpu_num, gpu_per_node, *args)`` in
   ``nprocs`` processes started with the ``spawn`` method;
-* ``python -m distopt.launch -n 4 script.py args...`` runs four copies of a
-  script with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
-  and ``DISTOPT_JOB_ID`` set, e.g. for
-  ``ShmCommunicator(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-  os.environ["DISTOPT_JOB_ID"])``.
+* ``python -m distopt.launch -n 4 script.py args...`` (or ``-m module``)
+  runs four copies of any distopt script unchanged, with ``RANK``,
+  ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``DISTOPT_JOB_ID``
+  set: ``DistOpt(opt)`` (:func:`distopt.world.build_world`) then joins the
+  job over shared memory.
 
 In both, the first worker that fails (raises, exits non-zero or is killed)
 ends the job: the others get SIGTERM, then SIGKILL after a grace period, all
-are reaped, and the failure is reported with its rank.
+are reaped, and the failure is reported with its rank. When the launching
+process itself is ended (SIGTERM, SIGINT, or SIGKILL), the workers end too:
+they get SIGTERM from the kernel when their parent dies (Linux
+``PR_SET_PDEATHSIG``), and the job's shared-memory segments are removed
+(by the launcher on SIGTERM/SIGINT, by the workers' resource tracker after
+a SIGKILL).
 """
 from __future__ import annotations
 
@@ -34,14 +39,16 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from ._pdeath import _prctl_pdeathsig, die_with_parent
 from .errors import DistOptError
+from .logs import LOG_FORMAT, rank_filter
 from .nccl_id import NcclIdHolder, new_job_id
+from .world import JOB_ID_ENV
 
 __all__ = ["WorkerFailedError", "spawn", "progress", "main"]
 
 T = TypeVar("T")
 
-_LOG_FORMAT = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
 
 
 class WorkerFailedError(DistOptError):
@@ -74,17 +81,13 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _worker(fn: Callable[..., Any], rank: int, nprocs: int, holder: NcclIdHolder,
-            args: tuple, conn: Connection, log_queue: Any, log_level: int) -> None:
-    """Child side of :func:`spawn`: forward logs, run ``fn``, report a failure."""
+            args: tuple, conn: Connection, log_queue: Any, log_level: int, parent: int) -> None:
+    """Child side of :func:`spawn`: die with the parent, forward logs, run ``fn``, report a failure."""
+    die_with_parent(parent)
     level = log_level if rank == 0 else max(log_level, logging.WARNING)
     handler = logging.handlers.QueueHandler(log_queue)
     handler.setLevel(level)
-
-    def tag(record: logging.LogRecord) -> bool:
-        record.rank = rank
-        return True
-
-    handler.addFilter(tag)
+    handler.addFilter(rank_filter(rank))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -195,18 +198,20 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     ctx = multiprocessing.get_context("spawn")
     log_queue = ctx.Queue()
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     listener = threading.Thread(target=_forward_records, args=(log_queue, handler),
                                 name="distopt-log-listener", daemon=True)
     listener.start()
     procs: list = []
     conns: dict[Connection, int] = {}
     failure = None
+    previous = _exit_on_sigterm()
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, name=f"distopt-rank{rank}",
-                               args=(fn, rank, nprocs, holder, tuple(args), writer, log_queue, log_level))
+                               args=(fn, rank, nprocs, holder, tuple(args), writer, log_queue, log_level,
+                                     os.getpid()))
             proc.start()
             writer.close()
             procs.append(proc)
@@ -222,11 +227,20 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
             log_queue.cancel_join_thread()
         log_queue.close()
         unlink_segments(holder.job_id, untrack=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failure is not None:
         rank, text, reason = failure
         code = procs[rank].exitcode
         raise WorkerFailedError(rank, reason or f"raised an exception ({_describe_exit(code)})",
                                 text, code)
+
+
+def _exit_on_sigterm() -> Any:
+    """In the main thread, make SIGTERM a ``SystemExit(143)`` (so cleanup runs); return the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def progress(iterable: Iterable[T], rank: int, **kwargs: Any) -> Iterable[T]:
@@ -248,33 +262,94 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
+def _child_setup() -> None:
+    """``preexec_fn`` of the CLI's children: SIGTERM when the launcher dies, even by SIGKILL."""
+    _prctl_pdeathsig(signal.SIGTERM)
+
+
+def _tag_lines(source: Any, sink: Any, prefix: bytes) -> None:
+    """Copy ``source`` to ``sink`` line by line, each line prefixed (one write per line)."""
+    for line in iter(source.readline, b""):
+        sink.write(prefix + line)
+        sink.flush()
+    source.close()
+
+
+_DESCRIPTION = """\
+Run N copies of a Python script (or module) as one single-node distopt job, fail-fast.
+
+Each copy gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N) and
+DISTOPT_JOB_ID (shared): distopt.DistOpt(opt) in the script then joins the job over
+shared memory, so any distopt script runs unchanged, e.g.
+
+  python -m distopt.launch -n 2 examples/cnn_mpi.py --epochs 1
+  python -m distopt.launch -n 4 --tag-output -m mypackage.train --lr 0.1
+
+The first copy that fails (non-zero exit, signal) ends the job: the others get SIGTERM,
+then SIGKILL after --grace seconds; its traceback is on stderr and its exit code is the
+launcher's. If the launcher is ended (SIGTERM, Ctrl-C, even SIGKILL) the copies end too
+and the job's shared-memory segments are removed.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distopt.launch", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of processes (copies)")
+    parser.add_argument("-m", dest="module", metavar="MODULE",
+                        help="run a module (as python -m MODULE) instead of a script")
+    parser.add_argument("--tag-output", action="store_true",
+                        help="prefix every line of stdout and stderr with [rank R]")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when ending the job (default 5)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py args...",
+                        help="the script and its arguments (with -m: the module's arguments)")
+    return parser
+
+
+def _start(rank: int, nproc: int, job_id: str, argv: list[str], tag: bool
+           ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), **{JOB_ID_ENV: job_id})
+    pipe = subprocess.PIPE if tag else None
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=pipe, stderr=pipe,
+                            preexec_fn=_child_setup if sys.platform.startswith("linux") else None)
+    threads = []
+    if tag:
+        prefix = f"[rank {rank}] ".encode()
+        for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            thread = threading.Thread(target=_tag_lines, args=(source, sink, prefix), daemon=True)
+            thread.start()
+            threads.append(thread)
+    return proc, threads
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distopt.launch -n N script.py args...``; returns the exit status.
+    """``python -m distopt.launch -n N [--tag-output] (script.py | -m module) args...``; returns the exit status.
 
     0 when every copy exits 0; otherwise the first failing rank's exit code
     (128 + signal number for a signal), after terminating the others; 130 on
-    Ctrl-C, 143 on SIGTERM (the children are terminated too).
+    Ctrl-C, 143 on SIGTERM (the children are terminated too). The job's
+    shared-memory segments are removed at the end in every case.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m distopt.launch",
-        description="Run N copies of a Python script as one single-node job, fail-fast.")
-    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
-    parser.add_argument("--grace", type=float, default=5.0,
-                        help="seconds between SIGTERM and SIGKILL when ending the job (default 5)")
-    parser.add_argument("script", help="the Python script to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    from .comm.shm import unlink_segments
+
+    parser = _parser()
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error("-n must be >= 1")
+    if ns.module is None and not ns.command:
+        parser.error("give a script (script.py args...) or a module (-m MODULE args...)")
+    command = ["-m", ns.module, *ns.command] if ns.module else ns.command
     job_id = new_job_id()
     procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         for rank in range(ns.nproc):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(ns.nproc), LOCAL_WORLD_SIZE=str(ns.nproc),
-                       DISTOPT_JOB_ID=job_id)
-            procs.append(subprocess.Popen([sys.executable, ns.script, *ns.args], env=env))
+            proc, tagging = _start(rank, ns.nproc, job_id, command, ns.tag_output)
+            procs.append(proc)
+            threads += tagging
         while True:
             for rank, p in enumerate(procs):
                 code = p.poll()
@@ -290,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _terminate(procs, ns.grace)
+        for thread in threads:
+            thread.join(ns.grace)
+        unlink_segments(job_id)
 
 
 if __name__ == "__main__":

@@ -465,6 +465,16 @@ def check_distopt_launch(block: Block, tmp_path: Path) -> None:
     assert len(set(re.findall(r"w = (\[[^]]*\])", res.stdout))) == 1, res.stdout  # identical everywhere
 
 
+def check_torchrun(block: Block, tmp_path: Path) -> None:
+    """torchrun's own parser takes the flags, and the script's parser its arguments (runs: tests/test_world.py)."""
+    run = pytest.importorskip("torch.distributed.run")
+    for argv in _commands(block):
+        assert argv[0] == "torchrun", argv
+        ns = run.get_args_parser().parse_args(argv[1:])
+        assert ns.training_script == "examples/cnn_mpi.py" and (ROOT / ns.training_script).is_file()
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+
+
 def check_strategy_runs(block: Block, tmp_path: Path) -> None:
     """Each strategy command parses; the table below it lists the same settings."""
     args = _script_args(block, "examples/cnn_mpi.py")
@@ -494,6 +504,8 @@ CHECKS = {
     "srun": check_srun,
     "multiprocess-example": check_multiprocess_example,
     "distopt-launch": check_distopt_launch,
+    "torchrun": check_torchrun,
+    "torchrun-nodes": check_torchrun,
     "strategy-runs": check_strategy_runs,
     "docs-build": check_docs_build,
 }

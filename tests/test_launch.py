@@ -118,3 +118,101 @@ def test_cli_fail_fast(tmp_path):
     assert time.monotonic() - start < 30
     assert res.returncode == 3
     assert "rank 1 exited with code 3; terminating the other ranks" in res.stderr
+
+
+# ------------------------------------------------------------------ H45: the launcher is killed
+
+TRAIN_LOOP = textwrap.dedent("""
+    def train(opt, rank, out):
+        import os, time
+        import numpy as np
+        open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+        w = np.zeros(1000, np.float32)
+        start, step = time.monotonic(), 0
+        while time.monotonic() - start < 60:
+            opt.step([w], [np.ones(1000, np.float32)])
+            step += 1
+            if step == 5:
+                open(os.path.join(out, f"ready{rank}"), "w").close()
+            time.sleep(0.01)
+""")
+
+SPAWN_PARENT = TRAIN_LOOP + textwrap.dedent("""
+    import sys
+    import distopt
+    from distopt.launch import spawn
+
+    def worker(nccl_id, rank, size, out):
+        train(distopt.DistOpt(distopt.SGD(lr=0.01), nccl_id=nccl_id, gpu_num=rank, gpu_per_node=size), rank, out)
+
+    if __name__ == "__main__":
+        holder = distopt.NcclIdHolder()
+        open(sys.argv[1] + "/job", "w").write(holder.job_id)
+        spawn(worker, 2, (sys.argv[1],), nccl_id=holder)
+""")
+
+CLI_CHILD = TRAIN_LOOP + textwrap.dedent("""
+    import os, sys
+    import distopt
+    opt = distopt.DistOpt(distopt.SGD(lr=0.01))     # no arguments: shm, from the launcher's variables
+    assert opt.comm.name == "shm", opt.comm.name
+    open(sys.argv[1] + "/job", "w").write(os.environ["DISTOPT_JOB_ID"])
+    train(opt, opt.global_rank, sys.argv[1])
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_launcher(tmp_path: Path, argv: list[str], sig: int) -> None:
+    """Start the launcher, wait for 5 steps on both ranks, send ``sig`` to it alone; check all ends in time."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               DISTOPT_TIMEOUT="30", OMP_NUM_THREADS="1")
+    parent = subprocess.Popen([sys.executable, *argv, str(tmp_path)], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            if parent.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"ranks {[r for r in range(2) if not (tmp_path / f'ready{r}').exists()]} did not take "
+                            f"5 steps (launcher exit {parent.poll()}): {parent.stderr.read().decode()[-3000:]}")
+            time.sleep(0.05)
+        job_id = (tmp_path / "job").read_text()
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        parent.send_signal(sig)
+        limit = 15 if sig == signal.SIGKILL else 10
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            parent.poll()
+            if parent.returncode is not None and not any(map(_alive, pids)) and not job_segments(job_id):
+                return
+            time.sleep(0.1)
+        alive = [f"rank {r} (pid {pid})" for r, pid in enumerate(pids) if _alive(pid)]
+        pytest.fail(f"{limit} s after {signal.Signals(sig).name}: launcher exit {parent.poll()}, still running: "
+                    f"{alive or 'none'}, segments left: {job_segments(job_id)}")
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        parent.wait()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_h45_spawn_parent_killed(tmp_path, sig):
+    (tmp_path / "parent.py").write_text(SPAWN_PARENT)
+    _kill_launcher(tmp_path, ["parent.py"], sig)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_h45_cli_launcher_killed(tmp_path, sig):
+    (tmp_path / "child.py").write_text(CLI_CHILD)
+    _kill_launcher(tmp_path, ["-m", "distopt.launch", "-n", "2", "child.py"], sig)

@@ -1,7 +1,9 @@
 """Communicator backends, chosen by name from a registry.
 
 ``create("mpi")`` returns an MPI communicator, ``create("shm", ...)`` the
-single-node shared-memory one, ``create("nccl", ...)`` NCCL through CuPy.
+single-node shared-memory one, ``create("nccl", ...)`` NCCL through CuPy,
+``create("torch")`` torch.distributed (gloo, NCCL for CUDA tensors) and
+``create("single")`` the world of one process.
 A backend whose optional dependency is missing raises
 :class:`~distopt.errors.BackendUnavailableError` naming what to install;
 there is never a fallback to another backend.
@@ -21,6 +23,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
     "mpi": ("distopt.comm.mpi", "MPICommunicator", "mpi4py (and an MPI runtime: pip install 'distopt[mpich]')"),
     "nccl": ("distopt.comm.nccl", "NcclCommunicator", "cupy and NCCL: pip install 'distopt[cuda12]' or 'distopt[cuda13]'"),
     "shm": ("distopt.comm.shm", "ShmCommunicator", "nothing beyond numpy (Python >= 3.8)"),
+    "torch": ("distopt.comm.torchdist", "TorchCommunicator", "PyTorch: pip install 'distopt[torch]'"),
+    "single": ("distopt.comm.single", "SingleCommunicator", "nothing"),
 }
 
 

@@ -12,36 +12,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-import os
+from .wait import DEFAULT_TIMEOUT, TIMEOUT_ENV, default_timeout, resolve_timeout
 
-__all__ = ["Communicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout", "check_reduce_args"]
+__all__ = ["Communicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout", "resolve_timeout",
+           "check_reduce_args"]
 
 #: Reduction operations every backend supports, by name.
 REDUCE_OPS = ("sum", "avg", "max", "min")
-
-#: Default deadline of one collective, in seconds.
-DEFAULT_TIMEOUT = 300.0
-
-#: The one environment variable distopt reads: a collective deadline in seconds.
-TIMEOUT_ENV = "DISTOPT_TIMEOUT"
-
-
-def default_timeout() -> float:
-    """Collective deadline in seconds: ``$DISTOPT_TIMEOUT`` if set, else 300.
-
-    Raises:
-        ValueError: the variable is set but is not a positive number.
-    """
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 @runtime_checkable
@@ -51,7 +28,8 @@ class Communicator(Protocol):
     Attributes:
         rank: this process's rank in the communicator, ``0 <= rank < size``.
         size: the number of ranks (the world size).
-        name: the backend's registry name (``"mpi"``, ``"nccl"``, ``"shm"``).
+        name: the backend's registry name (``"mpi"``, ``"nccl"``, ``"shm"``,
+            ``"torch"``, ``"single"``).
     """
 
     rank: int
@@ -98,12 +76,32 @@ class Communicator(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the backend's resources; the communicator is unusable after."""
+        """Release the backend's resources; idempotent.
+
+        Every later call raises
+        :class:`~distopt.errors.CommunicatorClosedError` at once. distopt's
+        backends also have ``wait_seconds`` (seconds spent in blocking
+        calls) and ``closed``; see :mod:`distopt.comm.lifecycle`. Those
+        that were never closed are closed at interpreter exit.
+        """
         ...
+
+
+def _dtype_kind(dtype: Any) -> str:
+    """NumPy's kind letter of a NumPy/CuPy dtype or a ``torch.dtype`` (``"f"``, ``"i"``, ``"b"``, ...)."""
+    if hasattr(dtype, "is_floating_point"):  # a torch.dtype (torch is never imported here)
+        if str(dtype) == "torch.bool":
+            return "b"
+        return "f" if dtype.is_floating_point else "c" if dtype.is_complex else "i"
+    return np.dtype(dtype).kind
 
 
 def check_reduce_args(array: Any, op: str) -> None:
     """Validate ``op`` for ``array``'s dtype; shared by all backends.
+
+    Args:
+        array: a NumPy or CuPy array, or a torch tensor.
+        op: the reduction's name.
 
     Raises:
         ValueError: ``op`` is not one of :data:`REDUCE_OPS`.
@@ -112,11 +110,11 @@ def check_reduce_args(array: Any, op: str) -> None:
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
-    kind = np.dtype(array.dtype).kind
-    if op == "avg" and kind in "iub":
+    if op == "avg" and _dtype_kind(array.dtype) in "iub":
         raise TypeError(
             f"op='avg' is not supported for dtype {array.dtype} (integer averaging "
             "would truncate); use op='sum' and divide in floating point"
         )
-    if not array.flags.c_contiguous:
+    contiguous = array.is_contiguous() if hasattr(array, "is_contiguous") else array.flags.c_contiguous
+    if not contiguous:
         raise TypeError("array must be C-contiguous; pass np.ascontiguousarray(array)")

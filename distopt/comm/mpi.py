@@ -22,10 +22,23 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-from mpi4py import MPI
 
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError, DistOptError
-from .base import REDUCE_OPS, check_reduce_args, default_timeout
+try:
+    from mpi4py import MPI
+except RuntimeError as exc:  # mpi4py 4 loads libmpi at import: "cannot load MPI library"
+    raise ImportError(
+        f"mpi4py cannot load an MPI library ({str(exc).splitlines()[-1]}). Install one with "
+        "pip install 'distopt[mpich]' (or point MPI4PY_LIBMPI at your MPI's libmpi.so), or launch "
+        "without MPI: torchrun (backend 'torch'), python -m distopt.launch (backend 'shm'), or a "
+        "plain single process"
+    ) from exc
+
+from ..errors import CollectiveTimeoutError, DistOptError
+from . import descriptor
+from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
+from .base import REDUCE_OPS, check_reduce_args
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
+from .wait import Backoff, resolve_timeout, wait_until
 
 __all__ = ["MPICommunicator"]
 
@@ -46,7 +59,7 @@ _NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
 #: Seconds a wait polls MPI without sleeping before it starts backing off.
 BUSY_POLL = 0.02
-_KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
+_BACKOFF = Backoff(busy_s=BUSY_POLL, yield_s=BUSY_POLL, min_sleep_s=1e-5, max_sleep_s=2e-4)
 
 
 def _half_dtypes() -> list[np.dtype]:
@@ -80,11 +93,6 @@ def _half_op(dtype: np.dtype, op: str) -> Any:
     return _HALF_OPS[key]
 
 
-def _kind(code: int) -> str:
-    """Name of a collective kind code (robust to garbage from a mismatched exchange)."""
-    return _KINDS[code] if 0 <= code < len(_KINDS) else f"an unknown collective (code {code})"
-
-
 def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
     """The MPI operation for ``op`` on ``dtype`` (logical for bool, user-defined for 16-bit floats)."""
     if dtype == np.bool_:
@@ -92,10 +100,6 @@ def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
     if mpi_type is MPI.UINT16_T and dtype != np.uint16:
         return _half_op(dtype, op)
     return _NATIVE_OPS[op]
-
-
-def _dtype_code(dtype: np.dtype) -> int:
-    return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
 
 
 class MpiHandle:
@@ -109,16 +113,23 @@ class MpiHandle:
         return self._request is None or bool(self._request.Test())
 
     def wait(self) -> np.ndarray:
-        """Complete the reduction (bounded by the communicator's timeout); returns the array."""
+        """Complete the reduction (bounded by the communicator's timeout); returns the array.
+
+        Raises:
+            CollectiveTimeoutError: the deadline passed.
+            CommunicatorClosedError: the communicator was closed meanwhile.
+        """
         if self._request is not None:
-            self._comm._wait(self._request, f"all_reduce_async of {self._array.size} elements")
+            self._comm._check_open("all_reduce_async wait")
+            with timed(self._comm, "distopt.all_reduce_async.wait"):
+                self._comm._wait(self._request, f"all_reduce_async of {self._array.size} elements")
             self._request = None
             if self._op == "avg":
                 np.divide(self._array, self._comm.size, out=self._array)
         return self._array
 
 
-class MPICommunicator:
+class MPICommunicator(CommunicatorState):
     """Collectives over an MPI communicator (CPU NumPy arrays).
 
     Args:
@@ -128,17 +139,22 @@ class MPICommunicator:
             ``DISTOPT_TIMEOUT`` from the environment, else 300.
 
     Raises:
+        ValueError: ``timeout`` (or ``DISTOPT_TIMEOUT``) is not a positive number.
         TypeError: an array that is not a NumPy array (CuPy arrays need the
             NCCL backend), or a dtype MPI cannot reduce.
+
+    A communicator that is never closed is closed at interpreter exit
+    (before MPI is finalized), after a bounded barrier.
     """
 
     name = "mpi"
 
     def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
+        self.timeout = resolve_timeout(timeout)
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self._control = self._comm.Dup()  # only for close's vote: never matched with a collective in flight
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        self.timeout = default_timeout() if timeout is None else float(timeout)
         self._seq = 0
         self._broken: str | None = None
         # side channel "who is where": each rank exposes (collective seq, kind) in an RMA window that
@@ -147,6 +163,7 @@ class MPICommunicator:
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._where = np.frombuffer(self._win.tomemory(), dtype=np.int64)
         self._where[:] = (0, -1)
+        close_at_exit(self)
 
     @property
     def raw(self) -> Any:
@@ -157,22 +174,14 @@ class MPICommunicator:
     def _wait(self, request: Any, what: str) -> None:
         # MPI advances a non-blocking collective only inside MPI calls: poll without sleeping for
         # BUSY_POLL seconds, then back off (yielding the core to oversubscribed ranks), bounded
-        start = time.monotonic()
-        deadline = start + self.timeout
-        delay = 0.0
-        while not request.Test():
-            now = time.monotonic()
-            if now - start < BUSY_POLL:
-                continue
-            if now > deadline:
-                self._broken = what
-                raise CollectiveTimeoutError(
-                    f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
-                    f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
-                    "of steps; the communicator is unusable now"
-                )
-            time.sleep(delay)
-            delay = min(2e-4, delay * 2 + 1e-5)
+        def expired() -> CollectiveTimeoutError:
+            self._broken = what
+            return CollectiveTimeoutError(
+                f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
+                f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
+                "of steps; the communicator is unusable now")
+
+        wait_until(request.Test, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
 
     def _missing_report(self, per_rank_s: float = 1.0) -> str:
         """Read every rank's (seq, kind) from the side channel: who has not reached this collective."""
@@ -206,19 +215,8 @@ class MPICommunicator:
         mine = np.array([_KINDS.index(kind), self._seq, count, code], dtype=np.int64)
         everyone = np.empty((self.size, 4), dtype=np.int64)
         self._wait(self._comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T]), what)
-        if (everyone == mine).all():
-            return what
-        first = next(r for r in range(self.size) if not (everyone[r] == everyone[0]).all())
-        a, b = everyone[0], everyone[first]
-        if a[0] != b[0] or a[1] != b[1]:
-            detail = (f"rank 0 is in {_kind(a[0])} #{a[1]}, rank {first} in {_kind(b[0])} #{b[1]} "
-                      "(ranks reached different collectives or different step counts)")
-        elif a[2] != b[2]:
-            detail = (f"element count differs: rank 0 has {a[2]}, rank {first} has {b[2]} (different buffers, "
-                      "or ranks at unequal step counts calling different collectives)")
-        else:
-            detail = "dtype or op differs between rank 0 and rank {first}".format(first=first)
-        raise CollectiveMismatchError(f"{what}: {detail}")
+        descriptor.check(everyone, what)
+        return what
 
     def _buffer(self, array: Any) -> tuple[Any, Any]:
         if not isinstance(array, np.ndarray):
@@ -236,6 +234,7 @@ class MPICommunicator:
         raise TypeError(f"dtype {dt} is not supported by the MPI backend")
 
     # --------------------------------------------------------------- protocol
+    @collective
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``array`` in place across ranks; see :class:`Communicator`.
 
@@ -252,6 +251,7 @@ class MPICommunicator:
             np.divide(array, self.size, out=array)
         return array
 
+    @collective
     def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> "MpiHandle":
         """Start an in-place all-reduce (``Iallreduce``) and return at once.
 
@@ -274,6 +274,7 @@ class MPICommunicator:
             request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
         return MpiHandle(self, request, array, op)
 
+    @collective
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` with root's contents on every rank (in place)."""
         if not 0 <= root < self.size:
@@ -284,6 +285,7 @@ class MPICommunicator:
             self._wait(self._comm.Ibcast([buf, mpi_type], root=root), what)
         return array
 
+    @collective
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
         buf, mpi_type = self._buffer(array)
@@ -293,6 +295,7 @@ class MPICommunicator:
             self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
         return out
 
+    @collective
     def all_gather_v(self, array: np.ndarray) -> list[np.ndarray]:
         """Gather 1-D arrays of per-rank lengths (0 allowed); list of ``size`` arrays."""
         if array.ndim != 1:
@@ -309,22 +312,38 @@ class MPICommunicator:
             self._wait(self._comm.Iallgatherv([buf, mpi_type], recv), what)
         return np.split(out, np.cumsum(counts)[:-1].tolist())
 
+    @collective
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
         what = self._agree("barrier", 0, 0)
         self._wait(self._comm.Ibarrier(), what)
 
     def close(self) -> None:
-        """Free the side-channel window and the duplicated communicator (collective; idempotent).
+        """Free the side-channel window and the duplicated communicator; idempotent.
 
-        After a timeout (a rank is missing) nothing is freed: freeing is
-        collective and would wait for the missing rank. Call it (or
-        ``DistOpt.close()``) at the end of a job: MPICH's UCX layer warns
-        about the unfreed window at exit otherwise. It is not called at exit
-        automatically, since a collective at exit could block a rank whose
-        peers are gone.
+        Freeing is collective, so the ranks first vote on a communicator of
+        their own (one bounded ``Iallreduce``): the resources are freed only
+        when every rank arrives within the timeout and none of them saw a
+        collective fail. Otherwise (a rank is missing or broken) nothing is
+        freed and close returns; MPI_Finalize cleans up. A communicator that
+        was never closed is closed this way at interpreter exit, before MPI
+        is finalized (no ``UCX WARN ... mpool`` lines at exit). Every later
+        call raises :class:`~distopt.errors.CommunicatorClosedError`.
         """
-        if self._comm != MPI.COMM_NULL and self._broken is None:
+        if self.closed:
+            return
+        self.closed = True
+        forget_at_exit(self)
+        vote = np.array([0 if self._broken else 1], dtype=np.int32)
+        try:
+            self._wait(self._control.Iallreduce(MPI.IN_PLACE, [vote, MPI.INT32_T], MPI.MIN), "close")
+        except CollectiveTimeoutError:
+            return
+        if vote[0]:
             self._win.Unlock_all()
             self._win.Free()
             self._comm.Free()
+            self._control.Free()
+
+    def __repr__(self) -> str:
+        return f"MPICommunicator(rank={self.rank}, size={self.size}, timeout={self.timeout:g})"

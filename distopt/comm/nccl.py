@@ -27,7 +27,11 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
     raise ImportError(f"the NCCL backend needs CuPy with NCCL: {exc}") from exc
 
 from ..errors import CollectiveTimeoutError, DistOptError
-from .base import check_reduce_args, default_timeout
+from .base import check_reduce_args
+from .lifecycle import CommunicatorState, Completed, collective
+from .wait import Backoff, resolve_timeout, wait_until
+
+_BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 
 __all__ = ["NcclCommunicator", "unique_id_from_mpi", "new_unique_id"]
 
@@ -67,20 +71,7 @@ def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in buf)
 
 
-class _Enqueued:
-    """A collective already ordered on the caller's stream."""
-
-    def __init__(self, array: Any) -> None:
-        self._array = array
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> Any:
-        return self._array
-
-
-class NcclCommunicator:
+class NcclCommunicator(CommunicatorState):
     """Collectives on CuPy arrays over one NCCL communicator.
 
     Args:
@@ -106,7 +97,7 @@ class NcclCommunicator:
             raise ValueError("unique_id is required for the NCCL backend (an NcclIdHolder carrying an NCCL id)")
         self.rank = int(rank)
         self.size = int(size)
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = resolve_timeout(timeout)
         self.device = cupy.cuda.Device(device)
         self.device.use()
         self._comm = _open(self.size, unique_id, self.rank)
@@ -122,21 +113,22 @@ class NcclCommunicator:
                 aborted, so no rank stays blocked in a kernel).
         """
         done = cupy.cuda.get_current_stream().record()
-        deadline = time.monotonic() + self.timeout
-        delay = 0.0
-        while not done.done:
+
+        def check() -> None:
             try:
                 self._comm.check_async_error()
             except nccl.NcclError as exc:
                 self._abort()
                 raise DistOptError(f"{what} on rank {self.rank}: NCCL error {exc}; communicator aborted") from exc
-            if time.monotonic() > deadline:
-                self._abort()
-                raise CollectiveTimeoutError(
-                    f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
-                    "stuck, or ran a different number of steps); NCCL communicator aborted")
-            time.sleep(delay)
-            delay = min(1e-3, delay * 2 + 1e-5)
+
+        def expired() -> CollectiveTimeoutError:
+            self._abort()
+            return CollectiveTimeoutError(
+                f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
+                "stuck, or ran a different number of steps); NCCL communicator aborted")
+
+        wait_until(lambda: done.done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF, check=check,
+                   check_every_s=0.0)
 
     def _abort(self) -> None:
         if self._comm is not None:
@@ -159,6 +151,7 @@ class NcclCommunicator:
             raise TypeError(f"dtype {array.dtype} is not supported by the NCCL backend")
         return _TYPES[array.dtype]
 
+    @collective
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
 
@@ -179,14 +172,16 @@ class NcclCommunicator:
             array /= self.size
         return array
 
-    def all_reduce_async(self, array: Any, op: str = "sum") -> _Enqueued:
+    @collective
+    def all_reduce_async(self, array: Any, op: str = "sum") -> Completed:
         """Enqueue the all-reduce on the comm stream and return at once.
 
         The host never blocks: the caller's current stream already waits for
         the result, so ``wait()`` only returns the array.
         """
-        return _Enqueued(self.all_reduce(array, op))
+        return Completed(self.all_reduce(array, op))
 
+    @collective
     def broadcast(self, array: Any, root: int = 0) -> Any:
         """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
         if isinstance(array, np.ndarray):
@@ -199,6 +194,7 @@ class NcclCommunicator:
             self._run(lambda s: self._comm.bcast(array.data.ptr, array.size, dtype, root, s))
         return array
 
+    @collective
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
         if isinstance(array, np.ndarray):
@@ -212,6 +208,7 @@ class NcclCommunicator:
             self._run(lambda s: self._comm.allGather(src.data.ptr, out.data.ptr, src.size, dtype, s))
         return out
 
+    @collective
     def all_gather_v(self, array: Any) -> list[Any]:
         """Variable-length all-gather of 1-D arrays: counts first (one host sync), then padded data."""
         if array.ndim != 1:
@@ -224,13 +221,20 @@ class NcclCommunicator:
         gathered = self.all_gather(padded)
         return [gathered[r, :int(c)] for r, c in enumerate(counts)]
 
+    @collective
     def barrier(self) -> None:
         """All-reduce one element and wait for it on the host."""
         self.all_reduce(cupy.zeros(1, dtype=cupy.float32))
         self._host_wait("barrier")
 
     def close(self) -> None:
-        """Destroy the NCCL communicator (idempotent); a pending collective is waited for, bounded."""
+        """Destroy the NCCL communicator (idempotent); a pending collective is waited for, bounded.
+
+        Every later call raises :class:`~distopt.errors.CommunicatorClosedError`.
+        """
+        if self.closed:
+            return
+        self.closed = True
         if self._comm is not None:
             self._host_wait("close")
             self._comm.destroy()

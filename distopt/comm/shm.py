@@ -37,7 +37,10 @@ Memory ordering: a rank writes data and descriptors with plain NumPy stores,
 then the counter (one aligned 8-byte store); readers load the counter, then
 the data. On x86-64 (total store order) this is sufficient; glibc's memcpy
 fences its non-temporal stores. Weakly ordered CPUs (ARM, POWER) would need
-explicit fences, which CPython does not expose: this backend assumes x86-64.
+explicit fences, which CPython does not expose: on any other CPU a world of
+more than one process is refused with
+:class:`~distopt.errors.BackendUnavailableError` naming the platform and
+the backends that work there (``torch``, ``mpi``).
 
 Waiting busy-polls the counters for 0.2 ms (keeping the core, as MPI does:
 under load, giving it up costs a scheduler time slice; ``time.sleep(0)`` is
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import re
 import time
 import weakref
@@ -72,8 +76,10 @@ from typing import Any
 import _posixshmem
 import numpy as np
 
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
-from .base import DEFAULT_TIMEOUT, REDUCE_OPS, check_reduce_args
+from ..errors import BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError
+from .base import REDUCE_OPS, check_reduce_args
+from .lifecycle import CommunicatorState, collective
+from .wait import Backoff, resolve_timeout, wait_until
 
 __all__ = ["ShmCommunicator", "segment_prefix", "unlink_segments"]
 
@@ -85,6 +91,9 @@ _MIN_CAPACITY = 1 << 16  # bytes, smallest data segment
 _BUSY_S = 2e-4  # seconds of pure busy polling (keeps the core)
 _SPIN_S = 0.02  # seconds of polling with sched_yield before backing off to sleeps
 _MIN_SLEEP_S, _MAX_SLEEP_S = 5e-5, 1e-3
+_BACKOFF = Backoff(busy_s=_BUSY_S, yield_s=_SPIN_S, min_sleep_s=_MIN_SLEEP_S, max_sleep_s=_MAX_SLEEP_S)
+#: CPUs whose store order makes the plain-store protocol above correct (total store order).
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
 _LIVENESS_PERIOD_S = 0.5
 _SLICE_ALIGN = 64  # bytes; reduce-scatter slices start on cache lines
 
@@ -221,7 +230,20 @@ def _require_ndarray(array: Any) -> None:
         raise TypeError(f"the shm backend takes NumPy arrays, got {type(array).__name__}")
 
 
-class ShmCommunicator:
+def check_platform(size: int) -> None:
+    """Refuse a world of more than one process on a CPU without total store order.
+
+    Raises:
+        BackendUnavailableError: ``platform.machine()`` is not x86 and ``size > 1``.
+    """
+    machine = platform.machine()
+    if size > 1 and machine.lower() not in TSO_MACHINES:
+        raise BackendUnavailableError(
+            f"the shm backend relies on x86-64 store ordering and does not run on this CPU ({machine!r}): "
+            "use backend='torch' (torch.distributed over gloo; e.g. torchrun) or backend='mpi' (mpiexec)")
+
+
+class ShmCommunicator(CommunicatorState):
     """Collectives between the processes of one machine through shared memory.
 
     Args:
@@ -235,7 +257,9 @@ class ShmCommunicator:
             :data:`~distopt.comm.base.DEFAULT_TIMEOUT`.
 
     Raises:
-        ValueError: bad rank, size or job id.
+        ValueError: bad rank, size, job id or timeout.
+        BackendUnavailableError: ``size > 1`` on a CPU other than x86
+            (see the module docstring).
         FileExistsError: a communicator for ``job_id`` is already open.
         CollectiveMismatchError: ranks were given different sizes.
         CollectiveTimeoutError: not every rank joined before the deadline.
@@ -254,13 +278,11 @@ class ShmCommunicator:
             raise ValueError(f"need 0 <= rank < size, got rank={rank}, size={size}")
         if not _JOB_ID.fullmatch(job_id):
             raise ValueError(f"job_id must be 1-200 letters, digits, '_' or '-', got {job_id!r}")
-        if timeout is None:
-            timeout = float(os.environ.get("DISTOPT_TIMEOUT", DEFAULT_TIMEOUT))
-        self.rank, self.size, self.job_id, self.timeout = rank, size, job_id, float(timeout)
+        check_platform(size)
+        self.rank, self.size, self.job_id, self.timeout = rank, size, job_id, resolve_timeout(timeout)
         self._prefix = segment_prefix(job_id)
         self._seq = 0  # collectives started
         self._completed = 0  # last collective this rank finished
-        self._closed = False
         self._owned: dict[str, SharedMemory] = {}
         self._finalizer = weakref.finalize(self, _unlink_owned, self._owned)
         self._ctl_map: mmap.mmap | None = None  # control segment, on ranks > 0
@@ -332,31 +354,17 @@ class ShmCommunicator:
         """Spin until ``rows[p, slot] >= target`` for every p in ``ranks``."""
         values = self._rows[:, slot]
         pending = [p for p in ranks if values[p] < target]
-        if not pending:
-            return
-        now = time.monotonic()
-        busy_until, spin_until = now + _BUSY_S, now + _SPIN_S
-        check_at, delay = now + _LIVENESS_PERIOD_S, _MIN_SLEEP_S
-        while True:
-            pending = [p for p in pending if values[p] < target]
-            if not pending:
-                return
-            now = time.monotonic()
-            if now >= check_at:
-                self._check_alive(pending, op, c)
-                check_at = now + _LIVENESS_PERIOD_S
-            if now >= deadline:
-                raise CollectiveTimeoutError(
-                    f"{self._where(op, c)}: timed out after {self.timeout:g} s; "
-                    f"{_fmt_ranks(pending)} {what}"
-                )
-            if now < busy_until:
-                continue
-            if now < spin_until:
-                os.sched_yield()
-            else:
-                time.sleep(delay)
-                delay = min(2 * delay, _MAX_SLEEP_S)
+
+        def done() -> bool:
+            pending[:] = [p for p in pending if values[p] < target]
+            return not pending
+
+        def expired() -> CollectiveTimeoutError:
+            return CollectiveTimeoutError(
+                f"{self._where(op, c)}: timed out after {self.timeout:g} s; {_fmt_ranks(pending)} {what}")
+
+        wait_until(done, deadline, expired, backoff=_BACKOFF, check=lambda: self._check_alive(pending, op, c),
+                   check_every_s=_LIVENESS_PERIOD_S)
 
     def _check_alive(self, ranks: list[int], op: str, c: int) -> None:
         for p in ranks:
@@ -378,8 +386,6 @@ class ShmCommunicator:
             payload: flat uint8 view of the bytes to publish, or None.
             skip: byte range of ``payload`` not to copy (no peer reads it).
         """
-        if self._closed:
-            raise ValueError("the communicator is closed")
         c = self._seq = self._seq + 1
         deadline = time.monotonic() + self.timeout
         row = self._rows[self.rank]
@@ -464,6 +470,7 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------ collectives
 
+    @collective
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``array`` across ranks in place (reduce-scatter + all-gather).
 
@@ -540,6 +547,7 @@ class ShmCommunicator:
             if not direct:
                 mine[start:stop] = acc
 
+    @collective
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` on every rank with root's contents, in place.
 
@@ -562,6 +570,7 @@ class ShmCommunicator:
         self._finish(c)
         return array
 
+    @collective
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-sized arrays from every rank.
 
@@ -585,6 +594,7 @@ class ShmCommunicator:
         self._finish(c)
         return out
 
+    @collective
     def all_gather_v(self, array: np.ndarray) -> list[np.ndarray]:
         """Gather 1-D arrays whose lengths (in elements, may be 0) differ per rank.
 
@@ -615,6 +625,7 @@ class ShmCommunicator:
         self._finish(c)
         return out
 
+    @collective
     def barrier(self) -> None:
         """Block until every rank has reached the barrier.
 
@@ -633,9 +644,9 @@ class ShmCommunicator:
         completed, since a peer may still be reading this rank's segment.
         Peers waiting on this rank in a later collective then fail promptly.
         """
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         if self._rows is not None:
             try:
                 self._wait(_DONE, self._completed, range(self.size), "close", 0,
@@ -650,12 +661,6 @@ class ShmCommunicator:
             _unmap(m)
         self._maps, self._ctl_map = [None] * self.size, None
         self._finalizer()
-
-    def __enter__(self) -> ShmCommunicator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"ShmCommunicator(rank={self.rank}, size={self.size}, "

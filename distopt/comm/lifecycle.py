@@ -1,0 +1,166 @@
+"""What every backend shares around its collectives: closing, exit, profiling, wait time.
+
+* :func:`collective` decorates a backend's public calls: a call on a closed
+  communicator raises :class:`~distopt.errors.CommunicatorClosedError` at
+  once (before anything is sent or written); the call shows up in
+  ``torch.profiler`` traces as ``distopt.<name>`` when torch is already
+  imported and a profiler is recording (torch is never imported for it);
+  its wall time is added to the communicator's ``wait_seconds``.
+* :func:`close_at_exit` closes, at interpreter exit, the communicators that
+  were never closed (in reverse order of creation, the same on every rank),
+  before MPI is finalized.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from ..errors import CommunicatorClosedError
+
+__all__ = ["collective", "timed", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState",
+           "Completed"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_NULL = contextlib.nullcontext()
+
+
+def profile_range(label: str) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler`` range named ``label`` while a profiler records, else a no-op.
+
+    Never imports torch: without ``torch`` in ``sys.modules`` nobody can be
+    profiling with it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.autograd._profiler_enabled():
+        return _NULL
+    return torch.autograd.profiler.record_function(label)
+
+
+class CommunicatorState:
+    """The lifecycle fields of a backend (a mixin).
+
+    Attributes:
+        wait_seconds: wall-clock seconds this process has spent inside the
+            communicator's blocking calls (collectives and handle waits,
+            data movement included), since it was built.
+        closed: True once :meth:`close` has run.
+    """
+
+    name = "?"
+    rank = 0
+    size = 1
+    wait_seconds: float = 0.0
+    closed: bool = False
+    _in_call: bool = False
+
+    def _closed_error(self, call: str) -> CommunicatorClosedError:
+        return CommunicatorClosedError(
+            f"{call} on the closed {self.name} communicator (rank {self.rank} of {self.size}): it was "
+            "closed (close() or DistOpt.close()) and cannot be used again; build a new one")
+
+    def _check_open(self, call: str) -> None:
+        if self.closed:
+            raise self._closed_error(call)
+
+    def close(self) -> None:  # pragma: no cover (every backend defines it)
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def timed(comm: CommunicatorState, label: str) -> Iterator[None]:
+    """Time a blocking call into ``comm.wait_seconds`` inside a profiler range ``label``."""
+    start = time.perf_counter()
+    try:
+        with profile_range(label):
+            yield
+    finally:
+        comm.wait_seconds += time.perf_counter() - start
+
+
+def collective(method: F) -> F:
+    """Decorate a backend's public call: closed check, profiler range, wait time."""
+    label = f"distopt.{method.__name__}"
+
+    @functools.wraps(method)
+    def call(self: CommunicatorState, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:
+            raise self._closed_error(method.__name__)
+        if self._in_call:  # a collective built from others (e.g. staged through the device): time it once
+            return method(self, *args, **kwargs)
+        self._in_call = True
+        try:
+            with timed(self, label):
+                return method(self, *args, **kwargs)
+        finally:
+            self._in_call = False
+
+    return call  # type: ignore[return-value]
+
+
+class Completed:
+    """The handle of an all-reduce that needs no host wait: ``test()`` is True, ``wait()`` returns the array.
+
+    Used where the result is ready (world size 1) or already ordered on the
+    caller's CUDA stream (NCCL).
+    """
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def test(self) -> bool:
+        """Always True."""
+        return True
+
+    def wait(self) -> Any:
+        """The array."""
+        return self._array
+
+
+_open: list[Any] = []
+_lock = threading.Lock()
+_registered = False
+
+
+def _close_all() -> None:
+    while _open:
+        comm = _open.pop()
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 (at exit: report, go on with the others)
+            sys.stderr.write(f"distopt: closing {comm!r} at exit failed: {exc}\n")
+
+
+def close_at_exit(comm: Any) -> None:
+    """Have ``comm.close()`` run at interpreter exit unless it is closed before.
+
+    The handler is registered with :mod:`atexit` after mpi4py is imported,
+    so it runs before mpi4py finalizes MPI.
+    """
+    global _registered
+    with _lock:
+        if not _registered:
+            atexit.register(_close_all)
+            _registered = True
+        _open.append(comm)
+
+
+def forget_at_exit(comm: Any) -> None:
+    """Drop ``comm`` from the exit list (it was closed)."""
+    with _lock:
+        for i, other in enumerate(_open):
+            if other is comm:
+                del _open[i]
+                return

@@ -1,0 +1,84 @@
+"""The world of one process: every collective is the identity, checked like the others.
+
+What a plain ``python train.py`` (no launcher) gets: world size 1, no MPI,
+no shared memory, no network. Arguments are validated as by the other
+backends (op and dtype rules, 1-D input of ``all_gather_v``, ``root``), so a
+script that is wrong at world size N is wrong here too. Works on any array
+type (NumPy, CuPy, torch tensors): nothing moves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import check_reduce_args
+from .lifecycle import CommunicatorState, Completed, collective
+
+__all__ = ["SingleCommunicator"]
+
+
+def _copy(array: Any) -> Any:
+    return array.clone() if hasattr(array, "clone") else array.copy()
+
+
+class SingleCommunicator(CommunicatorState):
+    """Rank 0 of 1.
+
+    Args:
+        timeout: accepted for symmetry with the other backends (nothing waits).
+    """
+
+    name = "single"
+
+    def __init__(self, timeout: float | None = None) -> None:  # noqa: ARG002 (nothing waits)
+        self.rank, self.size = 0, 1
+
+    @collective
+    def all_reduce(self, array: Any, op: str = "sum") -> Any:
+        """Return ``array`` unchanged (the reduction of one rank), after checking ``op`` for its dtype."""
+        check_reduce_args(array, op)
+        return array
+
+    @collective
+    def all_reduce_async(self, array: Any, op: str = "sum") -> Any:
+        """Return a completed handle: ``test()`` is True, ``wait()`` returns ``array``."""
+        check_reduce_args(array, op)
+        return Completed(array)
+
+    @collective
+    def broadcast(self, array: Any, root: int = 0) -> Any:
+        """Return ``array`` unchanged.
+
+        Raises:
+            ValueError: ``root`` is not 0.
+        """
+        if root != 0:
+            raise ValueError(f"root must be in [0, 1), got {root}")
+        return array
+
+    @collective
+    def all_gather(self, array: Any) -> Any:
+        """A copy of ``array`` with a leading axis of length 1."""
+        return _copy(array)[None]
+
+    @collective
+    def all_gather_v(self, array: Any) -> list[Any]:
+        """``[copy of array]``.
+
+        Raises:
+            ValueError: ``array`` is not 1-D.
+        """
+        if array.ndim != 1:
+            raise ValueError(f"all_gather_v takes a 1-D array, got shape {tuple(array.shape)}")
+        return [_copy(array)]
+
+    @collective
+    def barrier(self) -> None:
+        """Return at once."""
+
+    def close(self) -> None:
+        """Mark the communicator closed (idempotent); later calls raise CommunicatorClosedError."""
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return "SingleCommunicator()"
+

@@ -1,0 +1,69 @@
+"""Per-rank logging under any launcher: ``[rank r]`` prefixes, INFO from rank 0 only.
+
+``distopt.setup_logging()`` at the top of a training script makes every
+``logging`` record read ``[rank 3] WARNING distopt: ...``, lets INFO and
+DEBUG through on rank 0 only (the others show WARNING and above), and finds
+the rank from the launcher's variables (torchrun, mpiexec, Slurm,
+``python -m distopt.launch``; none: rank 0), so it can run before any
+communicator exists. :func:`distopt.launch.spawn` sets up the same format
+in its workers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+from . import ranks
+
+__all__ = ["setup_logging", "rank_filter", "LOG_FORMAT"]
+
+#: The record format: rank, level, logger name, message.
+LOG_FORMAT = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+
+
+def rank_filter(rank: int) -> logging.Filter:
+    """A filter that stamps ``record.rank = rank`` on every record it sees (and keeps them all)."""
+
+    class _Stamp(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            record.rank = rank
+            return True
+
+    return _Stamp()
+
+
+class _Handler(logging.StreamHandler):
+    """distopt's rank-tagging handler (so a second setup replaces it instead of adding one)."""
+
+
+def setup_logging(level: int = logging.INFO, rank: int | None = None, stream: TextIO | None = None) -> int:
+    """Send log records to ``stream`` as ``[rank r] LEVEL logger: message``; rank 0 alone below WARNING.
+
+    Idempotent: calling it again replaces its handler on the root logger.
+
+    Args:
+        level: the lowest level shown on rank 0 (others: ``max(level, WARNING)``).
+        rank: this process's global rank; default: from the launcher's
+            environment variables (:func:`distopt.ranks.from_env`), else 0.
+        stream: where records go; default ``sys.stderr``.
+
+    Returns:
+        The rank used.
+
+    Raises:
+        ValueError: the launcher's variables are incomplete or inconsistent.
+    """
+    if rank is None:
+        info = ranks.from_env(os.environ)
+        rank = 0 if info is None else info.global_rank
+    shown = level if rank == 0 else max(level, logging.WARNING)
+    handler = _Handler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(rank_filter(rank))
+    handler.setLevel(shown)
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, _Handler)] + [handler]
+    root.setLevel(shown)
+    return rank

@@ -1,0 +1,71 @@
+"""Worker functions for the spawned torch.distributed backend tests (importable, so ``spawn`` can pickle them)."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from tests import conformance
+
+#: Collective deadline inside test workers, in seconds.
+TIMEOUT = 20.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_comm(port: int, rank: int, size: int, timeout: float = TIMEOUT):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from distopt.comm.torchdist import TorchCommunicator
+
+    return TorchCommunicator(rank, size, timeout=timeout)
+
+
+def check_tensors_and_half(comm) -> None:
+    """torch tensors in and out; float16 and bfloat16 (NumPy, via ml_dtypes) reduce."""
+    import ml_dtypes
+    import torch
+
+    t = torch.full((5,), comm.rank + 1.0)
+    assert comm.all_reduce(t) is t and t.tolist() == [comm.size * (comm.size + 1) / 2] * 5
+    g = comm.all_gather(torch.tensor([comm.rank]))
+    assert isinstance(g, torch.Tensor) and g.reshape(-1).tolist() == list(range(comm.size))
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        h = np.full(3, 1.5, dtype=dtype)
+        comm.all_reduce(h, op="avg")
+        assert h.dtype == dtype and (h.astype(np.float32) == 1.5).all()
+    handle = comm.all_reduce_async(np.full(4, float(comm.rank)), op="avg")
+    np.testing.assert_allclose(handle.wait(), (comm.size - 1) / 2)
+    assert comm.wait_seconds > 0
+
+
+def conformance_worker(holder, rank: int, size: int, port: int) -> None:  # noqa: ARG001 (spawn's signature)
+    comm = make_comm(port, rank, size)
+    conformance.run_all(comm)
+    check_tensors_and_half(comm)
+    comm.close()
+
+
+def skip_worker(holder, rank: int, size: int, port: int) -> None:  # noqa: ARG001
+    """Rank 1 skips a barrier: rank 0 times out (CollectiveTimeoutError), then closes cleanly."""
+    from distopt.errors import CollectiveTimeoutError, DistOptError
+
+    comm = make_comm(port, rank, size, timeout=1)
+    comm.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"torch barrier #2 on rank 0 did not complete within 1 s"):
+            comm.barrier()
+        assert time.monotonic() - start < 10
+        with pytest.raises(DistOptError, match="unusable"):
+            comm.barrier()
+    else:
+        time.sleep(2.5)
+    comm.close()

@@ -1,17 +1,21 @@
 """distopt: data-parallel training by wrapping your optimizer.
 
 ``DistOpt(opt)`` averages gradients across all workers each step (fused
-all-reduce over MPI, NCCL or shared memory), then lets the local optimizer
-update. See the README and ``docs/`` for the launch modes and strategies.
+all-reduce over MPI, NCCL, shared memory or torch.distributed), then lets
+the local optimizer update. ``distopt.init()`` joins the job before any
+optimizer exists (e.g. to scale the learning rate by the world size). See the README and ``docs/`` for the launch modes and strategies.
 """
 from __future__ import annotations
 
 from .checkpoint import load, save
 from .data import DistributedSampler, eval_partition_indices, partition, partition_indices
-from .errors import BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError, DistOptError
+from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
+                     CommunicatorClosedError, DistOptError)
+from .logs import setup_logging
 from .opt import DistOpt
 from .nccl_id import NcclIdHolder
 from .optim import SGD
+from .world import World, init
 
 __all__ = [
     "DistOpt",
@@ -27,5 +31,9 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CommunicatorClosedError",
+    "setup_logging",
+    "init",
+    "World",
 ]
 __version__ = "0.1.0"

@@ -26,6 +26,8 @@ class Counters(Mapping):
         buckets_started_in_backward: reductions started before backward
             returned (overlap).
         skipped_steps: steps skipped on every rank by ``check_finite``.
+        wait_seconds: SECONDS this process spent inside the communicator's
+            blocking calls and waits (data movement included).
     """
 
     steps: int = 0
@@ -35,8 +37,9 @@ class Counters(Mapping):
     sparse_dense_fallbacks: int = 0
     buckets_started_in_backward: int = 0
     skipped_steps: int = 0
+    wait_seconds: float = 0.0
 
-    def __getitem__(self, name: str) -> int:
+    def __getitem__(self, name: str) -> float:
         if name not in self._names():
             raise KeyError(name)
         return getattr(self, name)
@@ -51,11 +54,11 @@ class Counters(Mapping):
     def _names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, float]:
         """The counters as a plain dict."""
         return asdict(self)
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         """Restore :meth:`state_dict` output (missing counters start at 0)."""
-        for name in self._names():
-            setattr(self, name, int(state.get(name, 0)))
+        for f in fields(self):
+            setattr(self, f.name, (float if f.name == "wait_seconds" else int)(state.get(f.name, 0)))

@@ -10,7 +10,7 @@ travels; the local optimizer updates. SINGA's per-call methods live in
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from .accumulate import GradientAccumulator
 from .buckets import is_float, plan_buckets
@@ -29,7 +29,7 @@ from .state import STATE_FORMAT, StateMethods
 from .strategy_set import StrategySet
 from .strategies import Dense, Strategy, UpdateContext
 from .surface import SurfaceMethods
-from .world import build_world
+from .world import World, comm_for
 
 __all__ = ["DistOpt", "STATE_FORMAT"]
 
@@ -104,7 +104,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                  backend: str | None = None, comm: Communicator | None = None, timeout: float | None = None,
                  backward_passes_per_step: int = 1, check_finite: bool = False, abort_on_exception: bool = True,
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
-                 sparse_as_dense: bool = False) -> None:
+                 sparse_as_dense: bool = False, world: World | None = None) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -114,16 +114,12 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         self._accumulator = (GradientAccumulator(backward_passes_per_step)
                              if backward_passes_per_step != 1 and not torch_opt else None)
         self.opt = opt
-        if comm is None:
-            comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
-            self.rank_in_local, self.local_size = info.local_rank, info.local_size
-        else:
-            self.rank_in_local = comm.rank if gpu_num is None else gpu_num
-            self.local_size = comm.size if gpu_per_node is None else gpu_per_node
+        comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
+                                                             comm, world)
         self.comm = comm
         self.rank_in_global, self.world_size = comm.rank, comm.size
-        self.stats = Counters()
-        self.engine = Engine(comm, int(buffSize), bool(check_finite), self.stats)
+        self._counters = Counters()
+        self.engine = Engine(comm, int(buffSize), bool(check_finite), self._counters)
         self._strategies = StrategySet(Dense() if strategy is None else strategy)
         self.active_strategy = self.strategy
         self.sampler: Any = None
@@ -151,6 +147,12 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
     def global_rank(self) -> int:
         """Rank in the job (alias of ``rank_in_global``)."""
         return self.rank_in_global
+
+    @property
+    def stats(self) -> Counters:
+        """What this rank's steps did (:class:`~distopt.counters.Counters`), with the seconds waited."""
+        self._counters.wait_seconds = float(getattr(self.comm, "wait_seconds", 0.0))
+        return self._counters
 
     @property
     def strategy(self) -> Strategy:
@@ -308,9 +310,19 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         return outcome.active
 
     def close(self) -> None:
-        """Release the communicator and the reduction thread."""
+        """Release the communicator and the reduction thread; a second call does nothing.
+
+        Afterwards every collective raises
+        :class:`~distopt.errors.CommunicatorClosedError` on every rank.
+        """
         self.engine.close()
         self.comm.close()
+
+    def __enter__(self) -> DistOpt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _checked(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:

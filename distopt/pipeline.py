@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from ._array import xp_of
 from .buckets import Bucket, put, unpack
 from .comm.base import Communicator
+from .comm.lifecycle import profile_range
 from .counters import Counters
 from .strategies.base import BucketContext, Strategy
 
@@ -158,8 +159,12 @@ class BucketPipeline:
         for started in self.started.values():
             _test(started)
 
+    def _range(self, b: int, phase: str) -> Any:
+        """A ``torch.profiler`` range for bucket ``b`` (a no-op unless a profiler records)."""
+        return profile_range(f"distopt.{self.strategy.name} {phase} bucket {b + 1}/{len(self.buckets)}")
+
     def _start(self, b: int) -> None:
-        with self.context(self._where(b)):
+        with self.context(self._where(b)), self._range(b, "start"):
             self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
         self.next = b + 1
 
@@ -197,7 +202,7 @@ class BucketPipeline:
         """
         for b, bucket in enumerate(self.buckets):
             flat, viewed = self.flats[b]
-            with self.context(self._where(b)):
+            with self.context(self._where(b)), self._range(b, "finish"):
                 done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += int(flat.nbytes)

@@ -34,7 +34,7 @@ from . import comm as _comm
 from . import ranks
 from .comm.base import Communicator
 
-__all__ = ["build_world", "choose_backend", "init", "current", "World", "JOB_ID_ENV"]
+__all__ = ["build_world", "choose_backend", "init", "current", "World", "JOB_ID_ENV", "comm_for"]
 
 log = logging.getLogger("distopt")
 
@@ -270,3 +270,27 @@ def current() -> World | None:
     if _current is None or getattr(_current.comm, "closed", False):
         return None
     return _current
+
+
+def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
+             backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
+             world: World | None = None) -> tuple[Communicator, int, int]:
+    """The communicator of a new ``DistOpt`` and its ``(local rank, local size)``.
+
+    In order: an explicit ``comm`` (local rank and size from ``gpu_num`` /
+    ``gpu_per_node``, else the communicator's rank and size), an explicit
+    ``world``, the :class:`World` of an earlier :func:`init`, else a new
+    communicator by :func:`build_world`.
+
+    Raises:
+        as :func:`build_world`.
+    """
+    if comm is not None:
+        return (comm, comm.rank if gpu_num is None else gpu_num,
+                comm.size if gpu_per_node is None else gpu_per_node)
+    world = world if world is not None else (current() if nccl_id is None and backend is None else None)
+    if world is not None:
+        return world.comm, world.info.local_rank, world.info.local_size
+    comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
+    return comm, info.local_rank, info.local_size
+

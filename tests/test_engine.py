@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distopt import SGD, CollectiveMismatchError, DistOpt
+from distopt import SGD, CollectiveMismatchError, CommunicatorClosedError, DistOpt
 from distopt.strategies import Dense, Half, Partial, Sparse
 from tests import models
 from tests.simworld import RankFailed, run_world
@@ -313,3 +313,32 @@ def test_torch_singa_methods_equal_strategy_objects_bitwise(kind, overlap, world
         assert (started > 0) == (overlap and cls.supports_overlap)
     if kind != "partial":
         assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(r[0], results[0][0]))
+
+
+# ------------------------------------------------------------ observability, lifecycle
+def test_bucket_reductions_are_named_ranges_in_torch_profiler():
+    pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    def rank_fn(rank, comm):
+        opt = _opt(comm, SGD(lr=0.1), buffSize=8)
+        params = [np.zeros(6, np.float32), np.zeros(5, np.float32)]
+        opt.sync_params(params)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.step(params, _grads(0, rank, params), threshold=4)
+        return {e.key for e in prof.key_averages()}
+
+    names = run_world(1, rank_fn)[0]
+    assert {"distopt.plain start bucket 1/2", "distopt.plain finish bucket 2/2"} <= names, sorted(names)
+
+
+def test_stats_report_seconds_waiting_and_close_is_idempotent_in_a_with_block():
+    from distopt.comm import create
+
+    with DistOpt(SGD(lr=1.0), comm=create("single")) as opt:
+        p = [np.zeros(3)]
+        opt.step(p, [np.ones(3)])
+        assert opt.stats.wait_seconds > 0.0 and opt.stats["wait_seconds"] == opt.stats.wait_seconds
+    opt.close()  # a second close does nothing
+    with pytest.raises(CommunicatorClosedError, match="closed single communicator"):
+        opt.step(p, [np.ones(3)])

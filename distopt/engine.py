@@ -120,6 +120,9 @@ class Engine:
             self.comm.broadcast(flat, root=0)
             if not viewed:
                 unpack(bucket, flat, params)
+        specs = tuple((p.shape, str(p.dtype)) for p in params)
+        if specs != self._specs:  # the next step with these parameters needs no second broadcast
+            self._specs, self._layouts = specs, {}
 
     def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool) -> _Layout:
         """The step header (see the module docs); returns the layout for this step."""
@@ -140,7 +143,6 @@ class Engine:
                              f"rank(s) {np.flatnonzero(everyone[:, 3]).tolist()} are inside join()")
         if everyone[:, 2].any():
             self.broadcast_params(params, full)
-            self._specs, self._layouts = specs, {}
         slot = (threshold, reverse)
         if slot not in self._layouts:
             first = min(FIRST_BUCKET, self.buff_size) if reverse else None

@@ -43,6 +43,7 @@ from typing import Any, Dict, Iterator, Tuple
 import numpy as np
 
 __all__ = [
+    "BatchSampler",
     "partition_indices",
     "partition",
     "eval_partition_indices",
@@ -193,9 +194,14 @@ def eval_partition_indices(n: int, rank: int, world_size: int) -> np.ndarray:
 
 
 class DistributedSampler:
-    """Per-epoch batches of sample indices for one rank.
+    """This rank's sample indices per epoch, with PyTorch's conventions, and equal batch counts.
 
-    In the spirit of ``torch.utils.data.DistributedSampler``. Each epoch:
+    As ``torch.utils.data.DistributedSampler``: iterating yields this rank's
+    sample indices (Python ints) and ``len()`` counts them, so
+    ``DataLoader(dataset, batch_size=B, sampler=sampler)`` works. Batches of
+    index arrays come from :meth:`batches` (or, for
+    ``DataLoader(dataset, batch_sampler=...)``, from :meth:`batch_sampler`);
+    every rank gets the same number of batches. Each epoch:
 
     1. one global order of ``0, ..., n - 1``: the permutation from
        ``np.random.default_rng((seed, epoch))`` if ``shuffle`` (the same on
@@ -208,21 +214,22 @@ class DistributedSampler:
        torch does, not a contiguous block). The padded positions are then
        the *last* entry of some ranks' shards, so they fall in the last
        partial batch;
-    4. the shard is cut into batches of ``batch_size``. ``drop_last=True``
-       drops the last partial batch on every rank; since it holds every
-       padded position, a duplicate is never kept while a real sample is
-       dropped (PyTorch #12474, Chainer #8267). ``drop_last=False`` keeps it.
-       Either way every rank yields the same number of batches (Horovod
-       #3980).
+    4. :meth:`batches` cuts the shard into batches of ``batch_size``.
+       ``drop_last=True`` drops the last partial batch on every rank; since
+       it holds every padded position, a duplicate is never kept while a
+       real sample is dropped (PyTorch #12474, Chainer #8267).
+       ``drop_last=False`` keeps it. Either way every rank yields the same
+       number of batches (Horovod #3980).
 
     Args:
-        n: dataset size, ``n >= 0``.
-        batch_size: samples per batch, ``batch_size >= 1``.
+        n: dataset size ``n >= 0``, or a sized dataset (its ``len()``).
+        batch_size: the default samples per batch of :meth:`batches`,
+            ``batch_size >= 1``; None: :meth:`batches` needs one.
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks, ``world_size >= 1``.
         shuffle: permute the samples each epoch.
         seed: base seed, ``seed >= 0``; must be the same on every rank.
-        drop_last: drop the last partial batch.
+        drop_last: :meth:`batches` drops the last partial batch.
 
     Raises:
         ValueError: an invalid argument; the message names it.
@@ -230,8 +237,8 @@ class DistributedSampler:
 
     def __init__(
         self,
-        n: int,
-        batch_size: int,
+        n: Any,
+        batch_size: int | None,
         rank: int,
         world_size: int,
         *,
@@ -239,8 +246,9 @@ class DistributedSampler:
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        n = n if isinstance(n, numbers.Integral) or not hasattr(n, "__len__") else len(n)
         self.n, self.rank, self.world_size = _check_split(n, rank, world_size)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = None if batch_size is None else _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
@@ -259,9 +267,12 @@ class DistributedSampler:
         self.epoch = _check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
-        """Number of batches per rank per epoch (the same on every rank)."""
-        full, rest = divmod(self.num_samples, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        """Samples of this rank per epoch (:attr:`num_samples`), as PyTorch's sampler."""
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's sample indices for the current epoch, as Python ints."""
+        return iter(self.indices().tolist())
 
     def indices(self) -> np.ndarray:
         """This rank's shard for the current epoch, int64, shape ``(num_samples,)``."""
@@ -276,11 +287,32 @@ class DistributedSampler:
         padded = order[np.arange(total) % self.n]
         return padded[self.rank::self.world_size]
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        """Yields ``len(self)`` int64 index arrays of shape ``(<= batch_size,)``."""
+    def _batch_size(self, batch_size: int | None) -> int:
+        if batch_size is None:
+            if self.batch_size is None:
+                raise ValueError("batch_size must be given (here or to DistributedSampler), got None")
+            return self.batch_size
+        return _check_int("batch_size", batch_size, 1)
+
+    def num_batches(self, batch_size: int | None = None) -> int:
+        """Batches per rank per epoch (the same on every rank)."""
+        full, rest = divmod(self.num_samples, self._batch_size(batch_size))
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batches(self, batch_size: int | None = None) -> Iterator[np.ndarray]:
+        """Yields :meth:`num_batches` int64 index arrays of shape ``(<= batch_size,)``.
+
+        Raises:
+            ValueError: no ``batch_size`` here nor at construction.
+        """
+        size = self._batch_size(batch_size)
         shard = self.indices()
-        for b in range(len(self)):
-            yield shard[b * self.batch_size:(b + 1) * self.batch_size]
+        for b in range(self.num_batches(size)):
+            yield shard[b * size:(b + 1) * size]
+
+    def batch_sampler(self, batch_size: int | None = None) -> BatchSampler:
+        """A ``batch_sampler`` for ``torch.utils.data.DataLoader``: lists of indices, :meth:`num_batches` long."""
+        return BatchSampler(self, self._batch_size(batch_size))
 
     def state_dict(self) -> Dict[str, int]:
         """``{"epoch": ..., "seed": ...}`` for checkpointing."""
@@ -293,3 +325,19 @@ class DistributedSampler:
                 raise ValueError(f"state must contain {key!r}, got keys {sorted(state)}")
         self.epoch = _check_int("epoch", state["epoch"], 0)
         self.seed = _check_int("seed", state["seed"], 0)
+
+
+class BatchSampler:
+    """This rank's batches as lists of ints (``DataLoader(batch_sampler=...)``); see
+    :meth:`DistributedSampler.batch_sampler`. It follows the sampler's epoch."""
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __len__(self) -> int:
+        return self.sampler.num_batches(self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.sampler.batches(self.batch_size):
+            yield batch.tolist()
+

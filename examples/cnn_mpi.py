@@ -147,7 +147,7 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
         sampler.set_epoch(epoch)
         model.train()
         totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-        batches = tqdm(sampler, total=steps, desc=f"epoch {epoch}", leave=False,
+        batches = tqdm(sampler.batches(), total=steps, desc=f"epoch {epoch}", leave=False,
                        disable=True if rank else None)  # None: only on a terminal
         for step, idx in enumerate(batches):
             if step >= steps:

@@ -42,7 +42,7 @@ def shards(args: argparse.Namespace, n_train: int, n_test: int, rank: int, world
     import distopt
 
     sampler = distopt.DistributedSampler(n_train, args.batch_size, rank, world, seed=args.seed)
-    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
+    steps = sampler.num_batches() if args.max_steps is None else min(sampler.num_batches(), args.max_steps)
     n_eval = n_test if args.eval_limit is None else min(n_test, args.eval_limit)
     return sampler, steps, distopt.eval_partition_indices(n_eval, rank, world)
 

@@ -132,7 +132,7 @@ def train(args: argparse.Namespace, opt: distopt.DistOpt | None = None) -> list[
         start = time.perf_counter()
         sampler.set_epoch(epoch)
         totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-        batches = tqdm(sampler, total=steps, desc=f"epoch {epoch}", leave=False,
+        batches = tqdm(sampler.batches(), total=steps, desc=f"epoch {epoch}", leave=False,
                        disable=True if rank else None)  # None: only on a terminal
         for step, idx in enumerate(batches):
             if step >= steps:

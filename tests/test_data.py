@@ -27,7 +27,7 @@ def _sampler_epoch(n, b, w, **kw):
     for r in range(w):
         s = DistributedSampler(n, b, r, w, **kw)
         s.set_epoch(epoch)
-        out.append(list(s))
+        out.append(list(s.batches()))
     return out
 
 
@@ -186,9 +186,9 @@ def test_h21_d_fewer_samples_than_ranks():
     shards = _shards(3, 4)
     assert [s.tolist() for s in shards] == [[0], [1], [2], [0]]
     for drop_last in (False, True):
-        lens = [len(DistributedSampler(3, 1, r, 4, drop_last=drop_last)) for r in range(4)]
+        lens = [DistributedSampler(3, 1, r, 4, drop_last=drop_last).num_batches() for r in range(4)]
         assert lens == [1, 1, 1, 1]
-    lens = [len(DistributedSampler(3, 2, r, 4)) for r in range(4)]
+    lens = [DistributedSampler(3, 2, r, 4).num_batches() for r in range(4)]
     assert lens == [1, 1, 1, 1]
 
 
@@ -199,9 +199,9 @@ def test_h01_partition_equal_steps():
     steps = [len(partition_indices(21, r, 2)) // 1 for r in range(2)]
     assert steps == [11, 11]
     for drop_last in (False, True):
-        lens = [len(DistributedSampler(21, 1, r, 2, drop_last=drop_last)) for r in range(2)]
+        lens = [DistributedSampler(21, 1, r, 2, drop_last=drop_last).num_batches() for r in range(2)]
         assert lens == [11, 11]
-        assert [sum(1 for _ in DistributedSampler(21, 1, r, 2)) for r in range(2)] == lens
+        assert [sum(1 for _ in DistributedSampler(21, 1, r, 2).batches()) for r in range(2)] == lens
 
 
 # ---------------------------------------------------------------- sampler
@@ -227,17 +227,17 @@ def test_sampler_disjoint_and_covering(n, w):
 def test_sampler_epoch_permutation_and_reproducible():
     a = DistributedSampler(100, 8, 1, 3, seed=3)
     b = DistributedSampler(100, 8, 1, 3, seed=3)
-    e0 = np.concatenate(list(a))
-    np.testing.assert_array_equal(e0, np.concatenate(list(b)))
+    e0 = np.concatenate(list(a.batches()))
+    np.testing.assert_array_equal(e0, np.concatenate(list(b.batches())))
     a.set_epoch(1)
     b.set_epoch(1)
-    e1 = np.concatenate(list(a))
-    np.testing.assert_array_equal(e1, np.concatenate(list(b)))
+    e1 = np.concatenate(list(a.batches()))
+    np.testing.assert_array_equal(e1, np.concatenate(list(b.batches())))
     assert not np.array_equal(e0, e1)
     c = DistributedSampler(100, 8, 1, 3, seed=4)
-    assert not np.array_equal(e0, np.concatenate(list(c)))
+    assert not np.array_equal(e0, np.concatenate(list(c.batches())))
     # iterating twice in the same epoch gives the same order
-    np.testing.assert_array_equal(e1, np.concatenate(list(a)))
+    np.testing.assert_array_equal(e1, np.concatenate(list(a.batches())))
 
 
 def test_sampler_no_shuffle_interleaved():
@@ -250,14 +250,14 @@ def test_sampler_same_len_everywhere():
         [0, 1, 2, 3, 7, 10, 21, 64, 99], range(1, 7), [1, 2, 3, 8, 32], [False, True]
     ):
         samplers = [DistributedSampler(n, b, r, w, drop_last=dl) for r in range(w)]
-        lens = {len(s) for s in samplers}
+        lens = {s.num_batches() for s in samplers}
         assert len(lens) == 1, (n, w, b, dl)
         per = samplers[0].num_samples
         assert per == -(-n // w)
-        assert len(samplers[0]) == (per // b if dl else -(-per // b))
+        assert samplers[0].num_batches() == (per // b if dl else -(-per // b))
         for s in samplers:
-            batches = list(s)
-            assert len(batches) == len(s)
+            batches = list(s.batches())
+            assert len(batches) == s.num_batches() and len(s) == per
             assert all(len(x) == b for x in batches[:-1])
             if dl:
                 assert all(len(x) == b for x in batches)
@@ -271,7 +271,7 @@ def test_sampler_state_dict():
     t = DistributedSampler(50, 4, 0, 2)
     t.load_state_dict(state)
     assert t.epoch == 5 and t.seed == 9
-    np.testing.assert_array_equal(np.concatenate(list(s)), np.concatenate(list(t)))
+    np.testing.assert_array_equal(list(s), list(t))
     with pytest.raises(ValueError, match="epoch"):
         t.load_state_dict({"seed": 1})
 
@@ -293,3 +293,23 @@ def test_sampler_validation(kwargs, name):
         DistributedSampler(**args)
     with pytest.raises(ValueError, match="epoch"):
         DistributedSampler(10, 2, 0, 2).set_epoch(-1)
+
+
+def test_sampler_follows_pytorch_conventions():
+    """Iterating yields sample indices and len() counts samples (torch's DistributedSampler), so
+    DataLoader(sampler=...) works; batches() / batch_sampler() give equal batch counts on every rank."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(21))
+    counts = set()
+    for r in range(4):
+        s = DistributedSampler(data, 4, r, 4, seed=1)
+        assert len(s) == 6 and [type(i) for i in s] == [int] * 6
+        via_sampler = [b[0].tolist() for b in DataLoader(data, batch_size=4, sampler=s)]
+        via_batches = [b[0].tolist() for b in DataLoader(data, batch_sampler=s.batch_sampler())]
+        assert via_sampler == via_batches == [b.tolist() for b in s.batches()]
+        counts.add(len(s.batch_sampler()))
+    assert counts == {2}
+    with pytest.raises(ValueError, match="batch_size must be given"):
+        list(DistributedSampler(10, None, 0, 2).batches())

@@ -89,7 +89,7 @@ def mlp() -> tuple[DistOpt, list[np.ndarray]]:
         first, last = 0, args.split if args.phase == "first" else args.epochs
     for epoch in range(first, last):
         opt.sampler.set_epoch(epoch)
-        for idx in opt.sampler:
+        for idx in opt.sampler.batches():
             grads = [g.astype(np.float32) for g in models.mlp_grads(params, x[idx], y[idx])]
             if args.strategy == "dense":
                 opt.step(params, grads)

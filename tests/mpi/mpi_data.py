@@ -29,7 +29,7 @@ class CountingComm(MPICommunicator):
 
 def test_h01_partitioner_gives_equal_steps(world):
     """H01 (a): 21 samples, bs 1: the sampler gives every rank the same number of steps."""
-    counts = world.allgather(len(distopt.DistributedSampler(21, 1, world.rank, world.size)))
+    counts = world.allgather(distopt.DistributedSampler(21, 1, world.rank, world.size).num_batches())
     assert len(set(counts)) == 1
 
 
@@ -194,7 +194,8 @@ def test_sampler_shards_disjoint_and_covering_across_real_ranks(world):
     for epoch in range(3):
         s = distopt.DistributedSampler(103, 8, world.rank, world.size, seed=7)
         s.set_epoch(epoch)
-        mine = np.concatenate(list(s))
+        mine = np.array(list(s))  # iterating yields this rank's sample indices
+        assert len(mine) == len(s) and np.array_equal(mine, np.concatenate(list(s.batches())))
         everyone = world.allgather(mine)
         union = np.concatenate(everyone)
         assert set(union.tolist()) == set(range(103))

@@ -427,14 +427,14 @@ def test_densify_into_out_equals_a_new_array(dtype):
 def test_fast_casts_are_bitwise_numpy_casts(monkeypatch, wire, scale):
     """PyTorch's cast kernels (used for NumPy float32 arrays when PyTorch is installed) == NumPy's casts."""
     pytest.importorskip("torch")
-    from distopt.compress import cast
+    from distopt import _fastcast
 
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.standard_normal(70_000).astype(np.float32) * s for s in (1e-7, 1.0, 3e4)]
                        + [np.array([np.inf, -np.inf, -0.0, 65520, 3e-8, 1e-45], np.float32)])
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(cast, "HAVE_TORCH", fast)
+        monkeypatch.setattr(_fastcast, "HAVE_TORCH", fast)
         w = to_wire(x, wire, scale)
         results.append((w.view(np.uint16).copy(), from_wire(w, np.float32, 1 / scale)))
     np.testing.assert_array_equal(results[0][0], results[1][0])

@@ -8,37 +8,15 @@ fairscale PR 565, Horovod #1699 and PyTorch #57410.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from typing import Any
 
 import numpy as np
 
+from .._fastcast import cast_into
 from ._xp import is_cupy, xp
 
 WIRE_DTYPES = ("float16", "bfloat16")
-
-#: NumPy casts to and from 16-bit floats run through PyTorch's vectorised kernels when PyTorch is
-#: installed (NumPy's float16 conversion is scalar code, about 40x slower); both round to nearest
-#: even, so the results are bitwise the same.
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-
-
-def _torch_view(a: np.ndarray) -> Any:
-    """A torch tensor sharing memory with the NumPy array ``a`` (bfloat16 through an int16 view)."""
-    import torch
-
-    if a.dtype in (np.float16, np.float32):
-        return torch.from_numpy(a)
-    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-
-
-def _fast(x: Any) -> bool:
-    """True when a NumPy cast of ``x`` can use PyTorch's kernels."""
-    return HAVE_TORCH and isinstance(x, np.ndarray) and x.flags.c_contiguous and x.dtype.kind in "fV" \
-        and ("torch" in sys.modules or x.size >= 65536)
-
 
 def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
     """``(x * scale)`` cast to the wire dtype.
@@ -62,15 +40,10 @@ def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
         ImportError: If bfloat16 is asked for and ml_dtypes is not installed.
     """
     wire = _wire_dtype(wire_dtype, x)
-    if _fast(x) and x.dtype == np.float32:
-        import torch
-
-        out = np.empty(x.shape, dtype=wire)
-        src = _torch_view(x)
-        if scale != 1:  # the product rounded to x.dtype, then to the wire dtype: NumPy's two steps
-            src = torch.mul(src, torch.tensor(x.dtype.type(scale)))
-        _torch_view(out).copy_(src)
-        return out
+    if isinstance(x, np.ndarray) and x.dtype == np.float32:  # fast kernels where PyTorch is installed
+        if scale != 1:  # the product rounded to float32, then to the wire dtype
+            x = np.multiply(x, x.dtype.type(scale))
+        return cast_into(np.ascontiguousarray(x), np.empty(x.shape, dtype=wire))
     if scale != 1:
         x = x * x.dtype.type(scale)
     return x.astype(wire)
@@ -87,14 +60,10 @@ def from_wire(w: Any, dtype: Any, scale: float = 1.0) -> Any:
     Returns:
         Array of the shape of ``w`` in ``dtype``, on the device of ``w``.
     """
-    if _fast(w) and np.dtype(dtype) == np.float32:
-        out = np.empty(w.shape, dtype=dtype)
-        t = _torch_view(out)
-        t.copy_(_torch_view(w))
-        if scale != 1:
-            t.mul_(float(out.dtype.type(scale)))
-        return out
-    out = w.astype(dtype)
+    if isinstance(w, np.ndarray) and np.dtype(dtype) == np.float32:  # fast kernels where PyTorch is installed
+        out = cast_into(np.ascontiguousarray(w), np.empty(w.shape, dtype=np.float32))
+    else:
+        out = w.astype(dtype)
     if scale != 1:
         out *= out.dtype.type(scale)
     return out

@@ -283,7 +283,8 @@ def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int 
     communicator by :func:`build_world`.
 
     Raises:
-        as :func:`build_world`.
+        ValueError: as :func:`build_world`.
+        BackendUnavailableError: as :func:`build_world`.
     """
     if comm is not None:
         return (comm, comm.rank if gpu_num is None else gpu_num,

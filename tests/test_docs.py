@@ -640,7 +640,8 @@ REFERENCED_MODULES = ["distopt", "distopt.comm", "distopt.comm.base", "distopt.c
                       "distopt.compress", "distopt.strategies", "distopt.torch", "distopt.optim", "distopt.errors",
                       "distopt.nccl_id", "distopt.world", "distopt.engine", "distopt.pipeline",
                       "distopt.local", "distopt.counters", "distopt.singa", "distopt.collectives",
-                      "distopt.strategy_set"]
+                      "distopt.strategy_set", "distopt.autosync", "distopt.model_sync", "distopt.surface",
+                      "distopt.state", "distopt.join", "distopt.portable", "distopt.logs"]
 
 
 def test_reference_covers_public_names(site: Path):

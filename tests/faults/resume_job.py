@@ -108,6 +108,7 @@ rank = opt.rank_in_global
 os.makedirs(args.out, exist_ok=True)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), *params)
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-    json.dump({"stats": dict(opt.stats), "wrote": wrote, "loaded_epoch": loaded_epoch,
+    stats = {k: v for k, v in opt.stats.items() if k != "wait_seconds"}  # seconds waited differ run to run
+    json.dump({"stats": stats, "wrote": wrote, "loaded_epoch": loaded_epoch,
                "epoch": None if opt.sampler is None else opt.sampler.epoch}, f)
 opt.close()

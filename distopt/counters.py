@@ -28,6 +28,8 @@ class Counters(Mapping):
         skipped_steps: steps skipped on every rank by ``check_finite``.
         wait_seconds: SECONDS this process spent inside the communicator's
             blocking calls and waits (data movement included).
+        host_syncs: times the host waited on the device (NCCL without a
+            host control communicator; 0 on CPU backends).
     """
 
     steps: int = 0
@@ -38,6 +40,7 @@ class Counters(Mapping):
     buckets_started_in_backward: int = 0
     skipped_steps: int = 0
     wait_seconds: float = 0.0
+    host_syncs: int = 0
 
     def __getitem__(self, name: str) -> float:
         if name not in self._names():

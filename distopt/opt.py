@@ -150,8 +150,10 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
 
     @property
     def stats(self) -> Counters:
-        """What this rank's steps did (:class:`~distopt.counters.Counters`), with the seconds waited."""
+        """What this rank's steps did (:class:`~distopt.counters.Counters`), with the communicator's
+        seconds waited and host synchronisations."""
         self._counters.wait_seconds = float(getattr(self.comm, "wait_seconds", 0.0))
+        self._counters.host_syncs = int(getattr(self.comm, "host_syncs", 0))
         return self._counters
 
     @property

@@ -97,9 +97,8 @@ def _mpi_world(backend: str, gpu_num: int | None, gpu_per_node: int | None, time
     from .comm.nccl import unique_id_from_mpi
 
     unique_id = unique_id_from_mpi(mpi)
-    mpi.close()
     return _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=unique_id,
-                        device=_device(info, env), timeout=timeout), info
+                        device=_device(info, env), timeout=timeout, control=mpi), info  # MPI: the host control
 
 
 def _torch_device(info: ranks.RankInfo, env: Mapping[str, str]) -> int | None:
@@ -157,8 +156,10 @@ def _spawned_world(nccl_id: Any, gpu_num: int | None, gpu_per_node: int | None, 
         return _comm.create("shm", rank=info.global_rank, size=info.world_size, job_id=nccl_id.job_id,
                             timeout=timeout), info
     if backend == "nccl":
+        control = _comm.create("shm", rank=info.global_rank, size=info.world_size, job_id=nccl_id.job_id,
+                               timeout=timeout)  # the host control plane: no device waits per step
         return _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=nccl_id.nccl_id,
-                            device=_device(info, env), timeout=timeout), info
+                            device=_device(info, env), timeout=timeout, control=control), info
     raise ValueError(f"backend={backend!r} does not fit the multiprocessing mode (nccl_id given); use 'shm' or 'nccl'")
 
 

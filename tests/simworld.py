@@ -24,7 +24,7 @@ import numpy as np
 from distopt.comm.base import check_reduce_args
 from distopt.errors import CollectiveMismatchError, CollectiveTimeoutError
 
-__all__ = ["SimCommunicator", "run_world", "RankFailed"]
+__all__ = ["SimCommunicator", "run_world", "second_world", "RankFailed"]
 
 
 class RankFailed(AssertionError):
@@ -126,6 +126,12 @@ class SimCommunicator:
 
     def close(self) -> None:
         self.closed = True
+
+
+def second_world(size: int, timeout: float = 10.0) -> Callable[[int], SimCommunicator]:
+    """Another simulated communicator over the same ranks (e.g. a host control plane): call it with a rank."""
+    shared = _Shared(size, timeout)
+    return lambda rank: SimCommunicator(shared, rank)
 
 
 def run_world(size: int, fn: Callable[[int, SimCommunicator], Any], timeout: float = 20.0) -> list[Any]:

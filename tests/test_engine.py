@@ -13,7 +13,7 @@ import pytest
 from distopt import SGD, CollectiveMismatchError, CommunicatorClosedError, DistOpt
 from distopt.strategies import Dense, Half, Partial, Sparse
 from tests import models
-from tests.simworld import RankFailed, run_world
+from tests.simworld import RankFailed, run_world, second_world
 
 STRATEGIES = {
     "plain": (Dense, {}, lambda o, p, g, t: o.step(p, g, t)),
@@ -342,3 +342,65 @@ def test_stats_report_seconds_waiting_and_close_is_idempotent_in_a_with_block():
     opt.close()  # a second close does nothing
     with pytest.raises(CommunicatorClosedError, match="closed single communicator"):
         opt.step(p, [np.ones(3)])
+
+
+class _FakeDevice:
+    """A stand-in for the NCCL backend on CPU: float arrays are "device" arrays (stream-ordered, no host
+    wait); integer arrays are host buffers (the engine's header and flags), which the real backend
+    either hands to its host ``control`` communicator or stages through the device with one host wait
+    each (counted in ``host_syncs``, as ``NcclCommunicator`` does)."""
+
+    name = "fake-device"
+
+    def __init__(self, inner, control=None):
+        self.inner, self.control, self.rank, self.size = inner, control, inner.rank, inner.size
+        self.host_syncs = 0
+
+    def _route(self, array):
+        if array.dtype.kind in "iub":
+            if self.control is not None:
+                return self.control
+            self.host_syncs += 1
+        return self.inner
+
+    def all_reduce(self, array, op="sum"):
+        return self._route(array).all_reduce(array, op)
+
+    def all_reduce_async(self, array, op="sum"):
+        return self._route(array).all_reduce_async(array, op)
+
+    def broadcast(self, array, root=0):
+        return self._route(array).broadcast(array, root)
+
+    def all_gather(self, array):
+        return self._route(array).all_gather(array)
+
+    def all_gather_v(self, array):
+        return self._route(array).all_gather_v(array)
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "half"])
+def test_steady_state_steps_never_wait_on_the_device_with_a_host_control_plane(kind):
+    cls, kwargs, _ = STRATEGIES[kind]
+
+    def rank_fn(rank, comm, control):
+        device = _FakeDevice(comm, control)
+        opt = _opt(device, SGD(lr=0.1), strategy=cls(**kwargs), buffSize=16)
+        params = [np.zeros(20, np.float32), np.zeros(5, np.float32)]
+        opt.sync_params(params)
+        for s in range(4):
+            opt.backward_and_update(_Loss(params, _grads(s, rank, params)), threshold=8)
+        return opt.stats.host_syncs, params
+
+    control = second_world(2)
+    with_plane = run_world(2, lambda rank, comm: rank_fn(rank, comm, control(rank)))
+    without = run_world(2, lambda rank, comm: rank_fn(rank, comm, None))
+    assert [syncs for syncs, _ in with_plane] == [0, 0]
+    assert all(syncs >= 2 * 4 for syncs, _ in without)  # the header and the flags, every step
+    assert all(np.array_equal(a, b) for a, b in zip(with_plane[0][1], without[0][1]))

@@ -57,6 +57,25 @@ def test_broadcast_gather(comm):
     comm.barrier()
 
 
+def test_steady_state_plain_and_half_steps_never_wait_on_the_host(comm):  # noqa: ARG001
+    """The spawn mode's NCCL DistOpt has a shared-memory control plane: after the first step, plain and
+    half steps add no host synchronisation (``stats.host_syncs``)."""
+    import distopt
+
+    holder = distopt.NcclIdHolder()
+    opt = distopt.DistOpt(distopt.SGD(lr=0.1), nccl_id=holder, gpu_num=0, gpu_per_node=1)
+    assert opt.comm.control is not None and opt.comm.control.name == "shm"
+    p = [cupy.zeros(1000, dtype=cupy.float32), cupy.zeros(10, dtype=cupy.float32)]
+    opt.step(p, [cupy.ones_like(x) for x in p])
+    first = opt.stats.host_syncs
+    for _ in range(3):
+        opt.step(p, [cupy.ones_like(x) for x in p])
+        opt.step_half(p, [cupy.ones_like(x) for x in p])
+    assert opt.stats.host_syncs == first == 0
+    np.testing.assert_allclose(p[0].get(), -0.7, rtol=1e-3)
+    opt.close()
+
+
 def test_distopt_from_nccl_id_holder_all_strategies(comm):  # noqa: ARG001 (fixture: skips without a GPU)
     """The multiprocessing mode's ticket builds a 1-process NCCL DistOpt; every strategy runs on CuPy."""
     import distopt

@@ -80,6 +80,12 @@ class NcclCommunicator(CommunicatorState):
         unique_id: the NCCL unique id shared by all ranks (see
             :func:`new_unique_id`, :class:`distopt.nccl_id.NcclIdHolder`).
         device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``).
+        control: a host communicator of the same ranks (MPI or shared
+            memory) for collectives on NumPy arrays (DistOpt's step header
+            and flags): they then never wait on the device, so a
+            steady-state plain or half step synchronises the host zero
+            times (``host_syncs`` stays put). Without it they are staged
+            through the device, one host wait each. Closed with this one.
         timeout: deadline in seconds of every host-side wait (default
             ``$DISTOPT_TIMEOUT`` or 300). Device-side, collectives are only
             enqueued; wherever the host waits for one (host arrays, counts,
@@ -92,11 +98,16 @@ class NcclCommunicator(CommunicatorState):
     name = "nccl"
 
     def __init__(self, rank: int, size: int, unique_id: Any, device: int = 0,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, control: Any = None) -> None:
         if unique_id is None:
             raise ValueError("unique_id is required for the NCCL backend (an NcclIdHolder carrying an NCCL id)")
         self.rank = int(rank)
         self.size = int(size)
+        if control is not None and (control.rank, control.size) != (self.rank, self.size):
+            raise ValueError(f"control communicator is rank {control.rank} of {control.size}, "
+                             f"the NCCL one rank {self.rank} of {self.size}")
+        self.control = control
+        self.host_syncs = 0  # host waits on the device (see the class docs)
         self.timeout = resolve_timeout(timeout)
         self.device = cupy.cuda.Device(device)
         self.device.use()
@@ -112,6 +123,7 @@ class NcclCommunicator(CommunicatorState):
             CollectiveTimeoutError: the deadline passed (the communicator is
                 aborted, so no rank stays blocked in a kernel).
         """
+        self.host_syncs += 1
         done = cupy.cuda.get_current_stream().record()
 
         def check() -> None:
@@ -158,6 +170,8 @@ class NcclCommunicator(CommunicatorState):
         A NumPy array (DistOpt's small control buffers: flags, metrics) is
         staged through the device and copied back, synchronously.
         """
+        if isinstance(array, np.ndarray) and self.control is not None:
+            return self.control.all_reduce(array, op)
         if isinstance(array, np.ndarray):
             staged = self.all_reduce(cupy.asarray(array), op)
             self._host_wait(f"all_reduce of {array.size} host elements")
@@ -184,6 +198,8 @@ class NcclCommunicator(CommunicatorState):
     @collective
     def broadcast(self, array: Any, root: int = 0) -> Any:
         """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
+        if isinstance(array, np.ndarray) and self.control is not None:
+            return self.control.broadcast(array, root)
         if isinstance(array, np.ndarray):
             staged = self.broadcast(cupy.asarray(array), root)
             self._host_wait(f"broadcast of {array.size} host elements")
@@ -197,6 +213,8 @@ class NcclCommunicator(CommunicatorState):
     @collective
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
+        if isinstance(array, np.ndarray) and self.control is not None:
+            return self.control.all_gather(array)
         if isinstance(array, np.ndarray):
             staged = self.all_gather(cupy.asarray(array))
             self._host_wait(f"all_gather of {array.size} host elements")
@@ -213,6 +231,8 @@ class NcclCommunicator(CommunicatorState):
         """Variable-length all-gather of 1-D arrays: counts first (one host sync), then padded data."""
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
+        if isinstance(array, np.ndarray) and self.control is not None:
+            return self.control.all_gather_v(array)
         if isinstance(array, np.ndarray):
             return [part.get() for part in self.all_gather_v(cupy.asarray(array))]
         counts = self.all_gather(np.array([array.size], dtype=np.int64)).reshape(-1)
@@ -239,3 +259,5 @@ class NcclCommunicator(CommunicatorState):
             self._host_wait("close")
             self._comm.destroy()
             self._comm = None
+        if self.control is not None:
+            self.control.close()

@@ -1,12 +1,18 @@
-"""Collectives on the user's own arrays and objects, as methods of :class:`~distopt.DistOpt`."""
+"""Collectives on the user's own arrays, objects and parameters, as methods of :class:`~distopt.DistOpt`."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from .buckets import is_float, plan_buckets
 from .comm.base import Communicator
+from .engine import DEFAULT_THRESHOLD
 from .metrics import all_gather_object, broadcast_object, reduce_metrics
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .local import LocalOptimizer
 
 __all__ = ["CollectiveMethods"]
 
@@ -16,6 +22,9 @@ class CollectiveMethods:
 
     comm: Communicator
     world_size: int
+    engine: Engine
+    local: LocalOptimizer
+    buff_size: int
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce of one array or contiguous torch tensor (sum by default), zero-copy.
@@ -69,6 +78,36 @@ class CollectiveMethods:
             return bool(vote[0])
         self.comm.all_reduce(vote, op="sum")
         return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.world_size)
+
+    def sync_params(self, params: Sequence[Any]) -> None:
+        """Check that all ranks hold the same parameters, then broadcast rank 0's values.
+
+        Call it once before the first forward pass for array models (the
+        PyTorch adapter does it in the constructor; a step whose parameter
+        list changed does it again). Integer and boolean arrays (counters,
+        masks) are broadcast too; a step never reduces or updates them.
+
+        Args:
+            params: arrays (NumPy or CuPy), modified in place on ranks != 0.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming the first
+                parameter whose shape or dtype differs, or a count difference.
+        """
+        params = list(params)
+        self.engine.broadcast_params(params, {"world_size": self.world_size})
+        self.local.remember(params)
+
+    def average_params(self, params: Sequence[Any] | None = None) -> None:
+        """Average all (float) parameters across ranks at once, in place.
+
+        The seed's examples do this before evaluation after partial updates.
+        ``params`` may be omitted with a PyTorch optimizer.
+        """
+        owned = self.local.arrays()
+        floats = [p for p in (owned if params is None else params) if is_float(p)]
+        for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.buff_size):
+            self.engine.average_arrays(bucket, floats, "parameter averaging")
 
 
 def _view(array: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["LocalOptimizer", "ArrayOptimizer", "wrap_local"]
+__all__ = ["LocalOptimizer", "ArrayOptimizer", "wrap_local", "checked_pairs"]
 
 
 class LocalOptimizer(ABC):
@@ -147,4 +147,18 @@ def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
     for p, g in pairs:
         params.append(p)
         grads.append(g)
+    return params, grads
+
+def checked_pairs(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """``(params, grads)`` as lists, checked: one gradient (or None) per parameter, of its shape.
+
+    Raises:
+        ValueError: the lengths or a shape differ (the message names the index).
+    """
+    params, grads = list(params), list(grads)
+    if len(params) != len(grads):
+        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is not None and g.shape != p.shape:
+            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has shape {p.shape}")
     return params, grads

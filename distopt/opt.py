@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .accumulate import GradientAccumulator
-from .buckets import is_float, plan_buckets
+from .buckets import is_float
 from .comm.base import Communicator
 from .counters import Counters
 from .engine import DEFAULT_THRESHOLD, Engine
 from .failfast import install_abort_on_exception
 from .join import JoinMethods, LastStep
-from .local import wrap_local
+from .local import checked_pairs, wrap_local
 from .autosync import AutoSync
 from .torch import TorchOptimizer
 from .model_sync import attach_model
@@ -171,37 +171,6 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         """Whether steps with a non-finite gradient on some rank are skipped everywhere."""
         return self.engine.check_finite
 
-    # ------------------------------------------------------ parameters
-    def sync_params(self, params: Sequence[Any]) -> None:
-        """Check that all ranks hold the same parameters, then broadcast rank 0's values.
-
-        Call it once before the first forward pass for array models (the
-        PyTorch adapter does it in the constructor; a step whose parameter
-        list changed does it again). Integer and boolean arrays (counters,
-        masks) are broadcast too; a step never reduces or updates them.
-
-        Args:
-            params: arrays (NumPy or CuPy), modified in place on ranks != 0.
-
-        Raises:
-            CollectiveMismatchError: on every rank, naming the first
-                parameter whose shape or dtype differs, or a count difference.
-        """
-        params = list(params)
-        self.engine.broadcast_params(params, {"world_size": self.world_size})
-        self.local.remember(params)
-
-    def average_params(self, params: Sequence[Any] | None = None) -> None:
-        """Average all (float) parameters across ranks at once, in place.
-
-        The seed's examples do this before evaluation after partial updates.
-        ``params`` may be omitted with a PyTorch optimizer.
-        """
-        owned = self.local.arrays()
-        floats = [p for p in (owned if params is None else params) if is_float(p)]
-        for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.buff_size):
-            self.engine.average_arrays(bucket, floats, "parameter averaging")
-
     # ------------------------------------------------------------ steps
     def step(self, params: Any = None, grads: Sequence[Any] | None = None,
              threshold: int = DEFAULT_THRESHOLD) -> Any:
@@ -276,11 +245,9 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                                             self.local.momentum_arrays, self.engine.average_arrays))
         self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
 
-    _checked = staticmethod(lambda params, grads: _checked(params, grads))
-
     def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int) -> None:
         """Check arguments, accumulate micro-batches if asked, then step with ``strategy``."""
-        params, grads = _checked(params, grads)
+        params, grads = checked_pairs(params, grads)
         self.local.remember(params)  # the shared order of an array model's later overlapped backward
         self._last = LastStep(strategy, params, threshold)
         if self._accumulator is not None:
@@ -326,12 +293,3 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _checked(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    params, grads = list(params), list(grads)
-    if len(params) != len(grads):
-        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if g is not None and g.shape != p.shape:
-            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has shape {p.shape}")
-    return params, grads

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .engine import DEFAULT_THRESHOLD
+from .local import checked_pairs
 from .metrics import broadcast_object
 from .model_sync import average_arrays, broadcast_arrays, named_state
 from .torch import TorchOptimizer, as_array
@@ -169,7 +170,7 @@ class SurfaceMethods:
         strategy = self.strategy  # type: ignore[attr-defined]
         if not strategy.reduces_gradients:
             raise ValueError(f"average() needs a strategy that averages gradients, not {strategy.name!r}")
-        params, grads = self._checked(params, grads)  # type: ignore[attr-defined]
+        params, grads = checked_pairs(params, grads)
         pipeline = self._begin(strategy, params, threshold)  # type: ignore[attr-defined]
         outcome = self.engine.complete(pipeline, grads)
         if not outcome.applies:

@@ -53,8 +53,8 @@ from .sparse import Residuals
 
 __all__ = ["DGC", "WARMUP_SPARSITY", "inner_momenta"]
 
-#: The paper's warm-up: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %.
 WARMUP_SPARSITY: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996)
+"""The paper's warm-up stages: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %."""
 
 
 def inner_momenta(local: Any) -> list[tuple[str, float]]:

@@ -3,7 +3,7 @@
 Run on the JSON files that ``train.py --out`` wrote (one or more; runs are
 matched by strategy and process count)::
 
-    python benchmarks/plot_train.py results/e10_*.json --procs 2 --png docs/strategies_accuracy.png
+    python benchmarks/plot_train.py benchmarks/results/e10_*.json --procs 2 --png docs/strategies_accuracy.png
 
 Prints one Markdown row per DistOpt run: the wire / dense bytes of the last
 epoch (the steady state: after DGC's warm-up and PowerSGD's dense steps),

@@ -90,6 +90,20 @@ def test_dgc_default_warmup_schedule_by_step():
     assert DGC(sparsity=0.999).density(0) * 431080 == 431.08  # decimal form: k = 432, not 433
 
 
+def test_dgc_selects_per_tensor_not_per_bucket():
+    """Two tensors fused in one bucket, one with 100x larger gradients: each still sends its own top 1."""
+    def rank_fn(rank, comm):
+        opt = DistOpt(SGD(lr=1.0), comm=comm, strategy=DGC(sparsity=0.9, momentum=0.0))
+        params = [np.zeros(10), np.zeros((2, 5))]
+        opt.sync_params(params)
+        grads = [np.arange(1.0, 11.0) * 100, np.arange(1.0, 11.0).reshape(2, 5)]
+        opt.step(params, grads)
+        return [np.flatnonzero(p).tolist() for p in params], opt.stats.wire_bytes
+
+    (nonzero, wire), = run_world(1, rank_fn)
+    assert nonzero == [[9], [9]] and wire == 2 * (4 + 8)  # int32 index, float64 value
+
+
 def test_dgc_clips_each_ranks_gradient_to_norm_over_sqrt_w():
     def rank_fn(rank, comm):
         opt = DistOpt(SGD(lr=1.0), comm=comm, strategy=DGC(sparsity=0.0, momentum=0.0, clip_norm=2.0))

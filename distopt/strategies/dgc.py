@@ -12,7 +12,9 @@ Top-K sparsification with the four techniques that keep its accuracy at
 2. **momentum correction**: ``u = m * u + g``, ``v = v + u``: the residual
    accumulates the velocity, not the raw gradient, so that the sparse update
    equals momentum SGD's once an entry is sent (section 3.1);
-3. selection of the ``k`` largest ``|v|`` (the sampled-threshold top-K of
+3. selection, per tensor of the bucket (the paper's per-layer threshold),
+   of the ``max(1, ceil(d * size))`` largest ``|v|`` at density
+   ``d = 1 - sparsity`` (the sampled-threshold top-K of
    :func:`distopt.compress.topk_indices`), sent as (index, value) pairs;
    ``v`` keeps what was not sent;
 4. **momentum factor masking**: ``u[sent] = 0``, so stale momentum does not
@@ -86,9 +88,9 @@ class DGC(Strategy):
     """Deep Gradient Compression: top-K of the momentum-corrected accumulation, with warm-up.
 
     Args:
-        sparsity: fraction of each bucket's elements NOT sent once warm-up
+        sparsity: fraction of each tensor's elements NOT sent once warm-up
             is over, in [0, 1); 0.999 sends ``k = max(1, ceil(0.001 * n))``
-            of ``n`` elements.
+            of a tensor's ``n`` elements.
         momentum: the momentum factor ``m`` of the velocity the strategy
             keeps, in [0, 1); the local optimizer's own momentum must be 0.
         clip_norm: the global L2-norm bound a single process would clip the
@@ -153,7 +155,7 @@ class DGC(Strategy):
                     f"momentum to the strategy: DGC(momentum={value}, ...)")
 
     def density(self, step: int) -> float:
-        """Fraction of a bucket's elements sent at ``step`` (0-based), from the warm-up schedule.
+        """Fraction of each tensor's elements sent at ``step`` (0-based), from the warm-up schedule.
 
         Computed on the decimal forms of the sparsities, so 0.999 gives
         exactly 0.001, not ``1 - 0.999 = 0.0010000000000000009``.
@@ -174,7 +176,7 @@ class DGC(Strategy):
         u *= u.dtype.type(self.momentum)
         u += flat                                              # momentum correction: u = m u + g
         v += u                                                 # v accumulates the velocity
-        idx = topk_indices(v, k_for(flat.size, self.density(self.steps)))
+        idx = _select(ctx, v, self.density(self.steps))
         values = v[idx]
         v[idx] = 0
         u[idx] = 0                                             # momentum factor masking
@@ -193,6 +195,21 @@ class DGC(Strategy):
         self.steps = int(state["steps"])
         self.velocity.load_state_dict(state["velocity"])
         self.accumulated.load_state_dict(state["accumulated"])
+
+
+def _select(ctx: BucketContext, v: Any, density: float) -> Any:
+    """Ascending positions in the bucket of each tensor's ``max(1, ceil(density * size))`` largest ``|v|``.
+
+    Per tensor, as the paper's per-layer thresholds: a layer of small
+    gradients is not starved by one of large gradients sharing its bucket,
+    and the selection does not depend on how tensors are bucketed.
+    """
+    parts = []
+    for slot in ctx.bucket.slots:
+        if slot.size:
+            chosen = topk_indices(v[slot.offset:slot.offset + slot.size], k_for(slot.size, density))
+            parts.append(chosen.astype(index_dtype(v.size)) + slot.offset)
+    return parts[0] if len(parts) == 1 else xp_of(v).concatenate(parts)
 
 
 def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:

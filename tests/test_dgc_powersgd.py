@@ -314,6 +314,8 @@ def test_dgc_refuses_torch_sgd_with_momentum():
 
 
 def test_constructor_arguments_are_checked():
+    assert DGC() == DGC() and hash(DGC()) == hash(DGC()) and DGC() != DGC(sparsity=0.99)  # settings hashable
+    assert hash(PowerSGD()) == hash(PowerSGD()) and PowerSGD() != PowerSGD(rank=4)
     for bad, match in [(dict(sparsity=1.0), "sparsity must be in"), (dict(momentum=1.0), "momentum must be"),
                        (dict(clip_norm=0.0), "clip_norm must be"), (dict(warmup_steps=-1), "warmup_steps"),
                        (dict(warmup_sparsity=(0.5, 1.5)), r"warmup_sparsity\[1\]")]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -53,13 +53,16 @@ from ..compress._xp import index_dtype
 from .base import BucketContext, Done, Strategy
 from .sparse import Residuals
 
+if TYPE_CHECKING:
+    from ..local import LocalOptimizer
+
 __all__ = ["DGC", "WARMUP_SPARSITY", "inner_momenta"]
 
 WARMUP_SPARSITY: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996)
 """The paper's warm-up stages: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %."""
 
 
-def inner_momenta(local: Any) -> list[tuple[str, float]]:
+def inner_momenta(local: LocalOptimizer) -> list[tuple[str, float]]:
     """Where the local optimizer keeps a momentum factor, and its value.
 
     Args:
@@ -139,9 +142,9 @@ class DGC(Strategy):
 
     def settings(self) -> dict[str, Any]:
         return {"sparsity": self.sparsity, "momentum": self.momentum, "clip_norm": self.clip_norm,
-                "warmup_steps": self.warmup_steps, "warmup_sparsity": list(self.warmup_sparsity)}
+                "warmup_steps": self.warmup_steps, "warmup_sparsity": self.warmup_sparsity}
 
-    def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
+    def bind(self, world_size: int, local: LocalOptimizer) -> None:  # noqa: ARG002
         """Refuse a local optimizer with momentum: DGC's velocity replaces it (momentum correction).
 
         Raises:

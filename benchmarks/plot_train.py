@@ -20,18 +20,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+#: Row order and labels (the example's default settings of each strategy).
 LABELS = {"plain": "plain", "dgc": "DGC 99.9 %", "powerSGD": "PowerSGD rank 2", "sparseTopK": "top-K 1 %",
           "sparseThreshold": "threshold 0.01", "half": "half (float16)", "partialUpdate": "partial (3 chunks)"}
 
 
 def load_runs(paths: list[Path], procs: int) -> list[dict[str, Any]]:
-    """The DistOpt runs at ``procs`` processes in ``paths``, in the order found (later files win)."""
+    """The DistOpt runs at ``procs`` processes in ``paths`` (later files win), in :data:`LABELS` order."""
     runs: dict[str, dict[str, Any]] = {}
     for path in paths:
         for run in json.loads(path.read_text())["runs"]:
             if run["impl"] == "distopt" and run["procs"] == procs:
                 runs[run["strategy"]] = run
-    return list(runs.values())
+    order = list(LABELS)
+    return sorted(runs.values(), key=lambda r: order.index(r["strategy"]) if r["strategy"] in order else len(order))
 
 
 def table(runs: list[dict[str, Any]]) -> str:

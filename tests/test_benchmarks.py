@@ -121,7 +121,8 @@ def test_train_smoke(tmp_path):
 
 
 def test_plot_train_table_and_png(tmp_path):
-    """plot_train.py: one row per DistOpt run at --procs, last-epoch wire ratio, difference from plain."""
+    """plot_train.py: one row per DistOpt run at --procs, in LABELS order, last-epoch wire ratio, difference
+    from plain."""
     pytest.importorskip("matplotlib")
 
     def run(strategy, accs, wire):
@@ -129,7 +130,7 @@ def test_plot_train_table_and_png(tmp_path):
         return {"impl": "distopt", "strategy": strategy, "procs": 2, "epochs": len(accs), "eval_acc": accs[-1],
                 "wire_ratio": wire * 1.5, "history": history}
 
-    runs = [run("plain", [0.8, 0.9], 1.0), run("dgc", [0.7, 0.885], 0.002),
+    runs = [run("dgc", [0.7, 0.885], 0.002), run("plain", [0.8, 0.9], 1.0),  # listed as plain, dgc
             {**run("plain", [0.1, 0.2], 1.0), "procs": 1}]
     (tmp_path / "a.json").write_text(json.dumps({"runs": runs}))
     png = tmp_path / "acc.png"

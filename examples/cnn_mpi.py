@@ -37,9 +37,6 @@ from distopt.strategies import DGC, PowerSGD, Strategy
 EVAL_BATCH = 500
 MOMENTUM = 0.9  # SGD's momentum; DGC keeps it in its velocity and the local SGD runs with momentum 0
 
-# How one training step synchronises: name -> fn(opt, loss, args). A new
-# DistOpt strategy (half, partialUpdate, sparseTopK, sparseThreshold, the
-# latter two with a --spars flag) is one more entry here.
 STRATEGIES: dict[str, Callable[[argparse.Namespace], Strategy]] = {
     "dgc": lambda args: DGC(sparsity=args.dgc_sparsity, momentum=MOMENTUM, clip_norm=args.dgc_clip_norm,
                             warmup_steps=args.dgc_warmup_steps),
@@ -48,6 +45,11 @@ STRATEGIES: dict[str, Callable[[argparse.Namespace], Strategy]] = {
 }
 """Strategy objects DistOpt is built with (``--dist-option`` dgc / powerSGD); their step is ``plain``'s."""
 
+# How one training step synchronises: name -> fn(opt, loss, args). A new
+# SINGA-style method (half, partialUpdate, sparseTopK, sparseThreshold, the
+# latter two with a --spars flag) is one more entry here; a new strategy
+# object (dgc, powerSGD, with their --dgc-* / --powersgd-* flags) one more
+# entry in STRATEGIES.
 UPDATES: dict[str, Callable[[distopt.DistOpt, torch.Tensor, argparse.Namespace], None]] = {
     "plain": lambda opt, loss, args: opt.backward_and_update(loss, args.threshold),
     "half": lambda opt, loss, args: opt.backward_and_update_half(loss, args.threshold),

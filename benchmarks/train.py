@@ -9,8 +9,10 @@ For each process count P the driver runs ``mpiexec -n P python
 benchmarks/train.py --worker distopt --strategies ...``, which calls
 ``examples/cnn_mpi.py``'s ``train()`` (imported, not copied) once per
 strategy (``plain``, ``half``, ``partialUpdate``, ``sparseTopK``,
-``sparseThreshold``; cnn_mpi's defaults: ``--spars`` 0.01 for both sparse
-ones, chunks of 10000 elements for partialUpdate), one after another in the
+``sparseThreshold``, ``dgc``, ``powerSGD``; cnn_mpi's defaults: ``--spars``
+0.01 for both sparse ones, chunks of 10000 elements for partialUpdate, DGC at
+99.9 % sparsity after 4 warm-up stages of 100 steps, PowerSGD rank 2 after
+100 dense steps; their ``--dgc-*`` / ``--powersgd-*`` flags pass through), one after another in the
 same processes, and one ``--worker ddp`` job: the same CNN, initial weights
 (``torch.manual_seed``), optimizer (SGD, lr 0.005, momentum 0.9, weight
 decay 1e-5), batch size per process, data order (``distopt.DistributedSampler``
@@ -26,7 +28,9 @@ DistOpt); ``xDDP`` = ``train s`` / DDP's ``train s`` at the same process
 count (< 1: faster than DDP); ``eval acc`` on the test set (all 10,000
 images unless ``--eval-limit``), ``d acc`` = eval acc - DDP's eval acc at the
 same process count, in percentage points; ``wire`` = bytes sent / bytes of
-a dense exchange.
+a dense exchange over the whole run, ``last wire`` the same over the last
+epoch alone (the steady state, after DGC's warm-up and PowerSGD's dense
+steps).
 
 Writes ``benchmarks/results/train.json`` unless ``--out``. Needs the
 Fashion-MNIST IDX files (``--data-dir``, default Debian's
@@ -50,7 +54,7 @@ EXAMPLES = _common.ROOT / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-STRATEGIES = ("plain", "half", "partialUpdate", "sparseTopK", "sparseThreshold")
+STRATEGIES = ("plain", "half", "partialUpdate", "sparseTopK", "sparseThreshold", "dgc", "powerSGD")
 
 
 # ----------------------------------------------------------------- workers
@@ -231,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
-    if args.rest:
-        raise SystemExit(f"unrecognized arguments: {' '.join(args.rest)}")
+    if args.rest:  # examples/cnn_mpi.py's flags (--dgc-*, --powersgd-*, --lr ...) pass through to the workers
+        import cnn_mpi
+
+        cnn_mpi.parse_args(args.rest)  # exits with argparse's message on a flag it does not know
 
     env = _common.env_info(mpi=False)
     procs = [int(p) for p in args.procs.split(",")]
@@ -259,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    "train_time": train_time, "samples_per_s": samples / train_time,
                    "train_acc": rec["train_acc"], "eval_acc": rec["eval_acc"], "train_loss": rec["train_loss"],
                    "eval_time": rec["eval_time"], "job_wall_s": data["job_wall_s"], "cpu_busy_before": busy,
-                   "wire_ratio": rec.get("wire_ratio", 1.0), "history": data["history"]}
+                   "wire_ratio": rec.get("wire_ratio", 1.0), "last_wire_ratio": rec.get("epoch_wire_ratio", 1.0),
+                   "history": data["history"]}
             runs.append(run)
             print(f"    {run['strategy']}: train {train_time:.1f} s, {run['samples_per_s']:.0f} samples/s, "
                   f"eval acc {run['eval_acc']:.4f}", file=sys.stderr, flush=True)
@@ -276,11 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     runs.sort(key=lambda r: (r["impl"] == "ddp", STRATEGIES.index(r["strategy"]) if r["strategy"] in STRATEGIES
                              else 0, r["procs"]))
     headers = ["impl", "strategy", "procs", "threads", "train s", "samples/s", "x1p", "xDDP", "train acc",
-               "eval acc", "d acc pp", "wire"]
+               "eval acc", "d acc pp", "wire", "last wire"]
     rows = [[r["impl"], r["strategy"], r["procs"], r["threads"], f"{r['train_time']:.2f}", f"{r['samples_per_s']:.0f}",
              f"{r['x_1proc']:.2f}" if r["x_1proc"] else None, f"{r['x_ddp_time']:.2f}" if r["x_ddp_time"] else None,
              f"{r['train_acc']:.4f}", f"{r['eval_acc']:.4f}", f"{r['d_acc_pp']:+.2f}" if r["d_acc_pp"] is not None
-             else None, f"{r['wire_ratio']:.4f}"] for r in runs]
+             else None, f"{r['wire_ratio']:.4f}", f"{r['last_wire_ratio']:.4f}"] for r in runs]
     steps = "whole epoch" if args.max_steps is None else f"--max-steps {args.max_steps}"
     title = (f"CNN on Fashion-MNIST, {args.epochs} epoch(s) ({steps}), batch {args.batch_size} per process, "
              f"seed {args.seed}, {_common.cpus()} CPUs; eval on "

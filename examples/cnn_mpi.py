@@ -32,12 +32,24 @@ from torch import nn
 from tqdm import tqdm
 
 import distopt
+from distopt.strategies import DGC, PowerSGD, Strategy
 
 EVAL_BATCH = 500
+MOMENTUM = 0.9  # SGD's momentum; DGC keeps it in its velocity and the local SGD runs with momentum 0
+
+STRATEGIES: dict[str, Callable[[argparse.Namespace], Strategy]] = {
+    "dgc": lambda args: DGC(sparsity=args.dgc_sparsity, momentum=MOMENTUM, clip_norm=args.dgc_clip_norm,
+                            warmup_steps=args.dgc_warmup_steps),
+    "powerSGD": lambda args: PowerSGD(rank=args.powersgd_rank, start_step=args.powersgd_start_step,
+                                      min_compression_rate=args.powersgd_min_compression_rate),
+}
+"""Strategy objects DistOpt is built with (``--dist-option`` dgc / powerSGD); their step is ``plain``'s."""
 
 # How one training step synchronises: name -> fn(opt, loss, args). A new
-# DistOpt strategy (half, partialUpdate, sparseTopK, sparseThreshold, the
-# latter two with a --spars flag) is one more entry here.
+# SINGA-style method (half, partialUpdate, sparseTopK, sparseThreshold, the
+# latter two with a --spars flag) is one more entry here; a new strategy
+# object (dgc, powerSGD, with their --dgc-* / --powersgd-* flags) one more
+# entry in STRATEGIES.
 UPDATES: dict[str, Callable[[distopt.DistOpt, torch.Tensor, argparse.Namespace], None]] = {
     "plain": lambda opt, loss, args: opt.backward_and_update(loss, args.threshold),
     "half": lambda opt, loss, args: opt.backward_and_update_half(loss, args.threshold),
@@ -45,6 +57,7 @@ UPDATES: dict[str, Callable[[distopt.DistOpt, torch.Tensor, argparse.Namespace],
     "sparseTopK": lambda opt, loss, args: opt.backward_and_sparse_update(loss, args.threshold, args.spars, topK=True),
     "sparseThreshold": lambda opt, loss, args: opt.backward_and_sparse_update(loss, args.threshold, args.spars,
                                                                               topK=False),
+    **{name: lambda opt, loss, args: opt.backward_and_update(loss, args.threshold) for name in STRATEGIES},
 }
 
 
@@ -89,6 +102,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=int, default=None,
                    help="elements: larger parameters are reduced alone (default 2097152); for partialUpdate "
                         "the chunk size (default 10000: this CNN's 431080 parameters make 3 chunks)")
+    p.add_argument("--dgc-sparsity", type=float, default=0.999,
+                   help="dgc: fraction of the gradient not sent after warm-up (default 0.999)")
+    p.add_argument("--dgc-warmup-steps", type=int, default=100,
+                   help="dgc: steps per warm-up stage (sparsity 75%%, 93.75%%, 98.4%%, 99.6%%; default 100)")
+    p.add_argument("--dgc-clip-norm", type=float, default=None,
+                   help="dgc: global gradient-norm bound, clipped locally at bound/sqrt(W) (default: no clipping)")
+    p.add_argument("--powersgd-rank", type=int, default=2, help="powerSGD: approximation rank r (default 2)")
+    p.add_argument("--powersgd-start-step", type=int, default=100,
+                   help="powerSGD: dense steps before compression starts (default 100)")
+    p.add_argument("--powersgd-min-compression-rate", type=float, default=2.0,
+                   help="powerSGD: compress a tensor only when its factors are this many times smaller (default 2)")
     args = p.parse_args(argv)
     if args.threshold is None:
         args.threshold = 10000 if args.dist_option == "partialUpdate" else 2097152
@@ -116,22 +140,29 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
 
     Args:
         args: the flags of :func:`parse_args`.
-        make_opt: builds the DistOpt from the local ``torch.optim.SGD``;
+        make_opt: builds the DistOpt from the local ``torch.optim.SGD``
+            (and ``strategy=`` for ``--dist-option`` dgc / powerSGD);
             ``DistOpt`` itself under ``mpiexec``, e.g.
-            ``lambda sgd: DistOpt(sgd, nccl_id, rank, world_size)`` for one
-            process per device started by multiprocessing.
+            ``lambda sgd, **kw: DistOpt(sgd, nccl_id, rank, world_size, **kw)``
+            for one process per device started by multiprocessing.
         device: where the model and data live.
 
     Returns:
         One record per epoch, identical on every rank: ``epoch``,
         ``train_loss``, ``train_acc``, ``eval_loss``, ``eval_acc``, ``time``,
-        ``train_time``, ``eval_time`` (seconds).
+        ``train_time``, ``eval_time`` (seconds), ``wire_bytes_per_step`` and
+        ``wire_ratio`` (wire / dense bytes, since the start), and
+        ``epoch_wire_ratio`` (wire / dense bytes of this epoch alone).
     """
     train_x, train_y, test_x, test_y = load(args.data_dir)
     torch.manual_seed(args.seed)
     model = CNN().to(device)
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
-    opt = make_opt(sgd)  # broadcasts rank 0's parameters
+    own_momentum = args.dist_option == "dgc"  # DGC's velocity replaces SGD's momentum buffer
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if own_momentum else MOMENTUM,
+                          weight_decay=1e-5)
+    strategy = STRATEGIES.get(args.dist_option)
+    # broadcasts rank 0's parameters
+    opt = make_opt(sgd) if strategy is None else make_opt(sgd, strategy=strategy(args))
     rank, world = opt.global_rank, opt.world_size
     torch.set_num_threads(args.threads or default_threads(opt))
     update = UPDATES[args.dist_option]
@@ -144,6 +175,7 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
     for epoch in range(args.epochs):
         say(rank, f"Starting Epoch {epoch}:")
         start = time.perf_counter()
+        wire_before, dense_before = opt.stats["wire_bytes"], opt.stats["dense_bytes"]
         sampler.set_epoch(epoch)
         model.train()
         totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
@@ -170,6 +202,8 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
         record["eval_time"] = record["time"] - record["train_time"]
         record["wire_bytes_per_step"] = opt.stats["wire_bytes"] / max(opt.stats["steps"], 1)
         record["wire_ratio"] = opt.stats["wire_bytes"] / max(opt.stats["dense_bytes"], 1)
+        record["epoch_wire_ratio"] = ((opt.stats["wire_bytes"] - wire_before)
+                                      / max(opt.stats["dense_bytes"] - dense_before, 1))
         print_epoch(rank, record)
         history.append(record)
     opt.close()
@@ -183,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":  # one GPU per process, gradients over NCCL
         info = distopt.ranks.resolve()
         index = distopt.ranks.device_index(info.local_rank, os.environ, local_size=info.local_size)
-        train(args, make_opt=lambda sgd: distopt.DistOpt(sgd, backend="nccl"), device=f"cuda:{index}")
+        train(args, make_opt=lambda sgd, **kw: distopt.DistOpt(sgd, backend="nccl", **kw), device=f"cuda:{index}")
     else:
         train(args)
     return 0

@@ -32,8 +32,8 @@ def train_mnist_cnn(nccl_id: Any, gpu_num: int, gpu_per_node: int, args: argpars
     import torch
 
     device = f"cuda:{gpu_num}" if nccl_id.nccl_id is not None and torch.cuda.is_available() else "cpu"
-    train(args, make_opt=lambda sgd: distopt.DistOpt(sgd, nccl_id=nccl_id, gpu_num=gpu_num,
-                                                     gpu_per_node=gpu_per_node), device=device)
+    train(args, make_opt=lambda sgd, **kw: distopt.DistOpt(sgd, nccl_id=nccl_id, gpu_num=gpu_num,
+                                                           gpu_per_node=gpu_per_node, **kw), device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,3 +118,26 @@ def test_train_smoke(tmp_path):
         assert r["samples"] == 3 * 64 * 2
     plain, ddp = sorted(data["runs"], key=lambda r: r["impl"] == "ddp")
     assert plain["eval_acc"] == pytest.approx(ddp["eval_acc"], abs=0.02)  # same data, init and update rule
+
+
+def test_plot_train_table_and_png(tmp_path):
+    """plot_train.py: one row per DistOpt run at --procs, in LABELS order, last-epoch wire ratio, difference
+    from plain."""
+    pytest.importorskip("matplotlib")
+
+    def run(strategy, accs, wire):
+        history = [{"epoch": i, "eval_acc": a, "epoch_wire_ratio": wire} for i, a in enumerate(accs)]
+        return {"impl": "distopt", "strategy": strategy, "procs": 2, "epochs": len(accs), "eval_acc": accs[-1],
+                "wire_ratio": wire * 1.5, "history": history}
+
+    runs = [run("dgc", [0.7, 0.885], 0.002), run("plain", [0.8, 0.9], 1.0),  # listed as plain, dgc
+            {**run("plain", [0.1, 0.2], 1.0), "procs": 1}]
+    (tmp_path / "a.json").write_text(json.dumps({"runs": runs}))
+    png = tmp_path / "acc.png"
+    res = subprocess.run([sys.executable, str(BENCH / "plot_train.py"), str(tmp_path / "a.json"), "--png", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
+    assert rows == ["| plain | 1.0000 | 1.5000 | 0.9000 | +0.00 | 0.9000 |",
+                    "| DGC 99.9 % | 0.0020 | 0.0030 | 0.8850 | -1.50 | 0.8850 |"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

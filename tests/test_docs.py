@@ -486,6 +486,29 @@ def check_strategy_runs(block: Block, tmp_path: Path) -> None:
     assert table == options, f"commands run {options}, the results table lists {table}"
 
 
+def check_train_runs(block: Block, tmp_path: Path) -> None:
+    """The benchmark commands parse with train.py's parser (every strategy known, extra flags
+    cnn_mpi's); the PNG that plot_train.py writes is checked in and shown on the page."""
+    pytest.importorskip("torch")
+    runs = _script_args(block, "benchmarks/train.py")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT / 'examples')!r}]
+        import cnn_mpi, train
+        for argv in {runs!r}:
+            args = train.parse_args(argv)
+            assert set(args.strategies.split(",")) <= set(train.STRATEGIES), args.strategies
+            cnn_mpi.parse_args(args.rest)
+    """)
+    res = _python(["-c", code], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    page = (DOCS / block.page).read_text()
+    for argv in _script_args(block, "benchmarks/plot_train.py"):
+        png = Path(argv[argv.index("--png") + 1])
+        assert (ROOT / png).is_file(), f"{png} is not checked in"
+        assert f"]({png.relative_to('docs')})" in page, f"the page does not show {png}"
+
+
 def check_docs_build(block: Block, tmp_path: Path, site=None) -> None:
     """The packages named are what the build needs; ``mkdocs build --strict`` passes (the ``site`` fixture)."""
     install, build, test = _commands(block)
@@ -507,6 +530,7 @@ CHECKS = {
     "torchrun": check_torchrun,
     "torchrun-nodes": check_torchrun,
     "strategy-runs": check_strategy_runs,
+    "train-runs": check_train_runs,
     "docs-build": check_docs_build,
 }
 #: ``file=`` blocks that a command check reads.

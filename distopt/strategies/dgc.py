@@ -1,0 +1,236 @@
+"""Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018).
+
+Top-K sparsification with the four techniques that keep its accuracy at
+99.9 % sparsity. Per bucket and step, on each rank, with its gradient ``g``
+(flat, the bucket's dtype), its velocity ``u`` and its accumulation ``v``:
+
+1. **local gradient clipping**: ``g *= min(1, c / ||g||)`` with
+   ``c = clip_norm / sqrt(W)`` (section 3.2: each of the ``W`` ranks clips
+   its own gradient before accumulating, the threshold scaled by
+   ``W**-1/2`` so that the sum of ``W`` clipped gradients keeps the norm a
+   global clip of ``clip_norm`` would allow);
+2. **momentum correction**: ``u = m * u + g``, ``v = v + u``: the residual
+   accumulates the velocity, not the raw gradient, so that the sparse update
+   equals momentum SGD's once an entry is sent (section 3.1);
+3. selection, per tensor of the bucket (the paper's per-layer threshold),
+   of the ``max(1, ceil(d * size))`` largest ``|v|`` at density
+   ``d = 1 - sparsity`` (the sampled-threshold top-K of
+   :func:`distopt.compress.topk_indices`), sent as (index, value) pairs;
+   ``v`` keeps what was not sent;
+4. **momentum factor masking**: ``u[sent] = 0``, so stale momentum does not
+   push a just-sent entry again (section 3.2);
+5. **warm-up** of the sparsity: the first stages send more (by default 75 %,
+   93.75 %, 98.4375 %, 99.6 % sparsity, ``warmup_steps`` steps each), then
+   ``sparsity`` from there on (section 3.3). The step count lives in the
+   strategy's state, so a resumed run continues the schedule.
+
+Every rank gathers every rank's pairs and adds them (:func:`distopt.compress.densify`,
+in rank order), so every rank applies bitwise the same update. When the
+pairs would move at least as many bytes as a dense all-reduce of the
+bucket (``W * k * (index + value bytes) >= n * itemsize``, e.g. at 75 %
+sparsity on 2 ranks), the same selection travels as a dense vector (zeros
+elsewhere) through one all-reduce instead: same values, fewer bytes
+(counted in ``stats["sparse_dense_fallbacks"]``).
+
+The momentum lives in the strategy (the velocity ``u``), so the local
+optimizer must not add its own: build ``distopt.SGD(lr, momentum=0)`` or
+``torch.optim.SGD(params, lr, momentum=0)`` and give ``DGC(momentum=0.9)``.
+The local optimizer's weight decay, if any, is applied to the parameters
+directly each step (not through the velocity), so it acts ``1 - momentum``
+times as strongly as the same decay inside momentum SGD.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from .._array import xp_of
+from ..compress import densify, k_for, topk_indices
+from ..compress._xp import index_dtype
+from .base import BucketContext, Done, Strategy
+from .sparse import Residuals
+
+if TYPE_CHECKING:
+    from ..local import LocalOptimizer
+
+__all__ = ["DGC", "WARMUP_SPARSITY", "inner_momenta"]
+
+WARMUP_SPARSITY: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996)
+"""The paper's warm-up stages: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %."""
+
+
+def inner_momenta(local: LocalOptimizer) -> list[tuple[str, float]]:
+    """Where the local optimizer keeps a momentum factor, and its value.
+
+    Args:
+        local: a :class:`~distopt.local.LocalOptimizer`: an array optimizer
+            (``local.opt``, e.g. :class:`distopt.SGD` with ``momentum``) or a
+            PyTorch one (``local.optimizer.param_groups[i]["momentum"]``).
+
+    Returns:
+        ``(name, momentum)`` pairs, e.g. ``("distopt.SGD.momentum", 0.9)`` or
+        ``("torch.optim.SGD.param_groups[0]['momentum']", 0.9)``; empty for
+        an optimizer without a momentum setting.
+    """
+    inner = getattr(local, "optimizer", None)
+    if inner is not None and hasattr(inner, "param_groups"):
+        kind = ("torch.optim." if type(inner).__module__.startswith("torch.optim") else "") + type(inner).__name__
+        return [(f"{kind}.param_groups[{i}]['momentum']", float(group["momentum"]))
+                for i, group in enumerate(inner.param_groups) if "momentum" in group]
+    inner = getattr(local, "opt", None)
+    if inner is not None and hasattr(inner, "momentum"):
+        kind = "distopt.SGD" if type(inner).__module__ == "distopt.optim" else type(inner).__name__
+        return [(f"{kind}.momentum", float(inner.momentum))]
+    return []
+
+
+class DGC(Strategy):
+    """Deep Gradient Compression: top-K of the momentum-corrected accumulation, with warm-up.
+
+    Args:
+        sparsity: fraction of each tensor's elements NOT sent once warm-up
+            is over, in [0, 1); 0.999 sends ``k = max(1, ceil(0.001 * n))``
+            of a tensor's ``n`` elements.
+        momentum: the momentum factor ``m`` of the velocity the strategy
+            keeps, in [0, 1); the local optimizer's own momentum must be 0.
+        clip_norm: the global L2-norm bound a single process would clip the
+            summed gradient to (as ``torch.nn.utils.clip_grad_norm_``); each
+            rank clips its own gradient to ``clip_norm / sqrt(W)`` before
+            accumulating. None: no clipping. Clipping is per bucket (the
+            whole model when it fits one bucket, as the seed CNN does).
+        warmup_steps: steps per warm-up stage, >= 0; 0 skips the warm-up.
+        warmup_sparsity: the sparsity of each warm-up stage, each in
+            [0, 1).
+
+    Attributes:
+        steps: steps completed with this strategy (drives the warm-up).
+        velocity: this rank's ``u`` per bucket (:class:`~distopt.strategies.Residuals`).
+        accumulated: this rank's ``v`` per bucket, what was not sent yet.
+
+    Raises:
+        ValueError: an argument outside the ranges above (at construction);
+            the local optimizer has its own momentum (at the first step).
+
+    Supports neither overlap nor ``join`` (the exchange runs after the
+    ranks agreed on the step, so a skipped step changes no state).
+    """
+
+    name: ClassVar[str] = "dgc"
+    per_rank_state: ClassVar[bool] = True
+
+    def __init__(self, sparsity: float = 0.999, momentum: float = 0.9, clip_norm: float | None = None,
+                 warmup_steps: int = 0, warmup_sparsity: Sequence[float] = WARMUP_SPARSITY) -> None:
+        for what, value in [("sparsity", sparsity), *((f"warmup_sparsity[{i}]", s)
+                                                       for i, s in enumerate(warmup_sparsity))]:
+            if not 0 <= value < 1:
+                raise ValueError(f"{what} must be in [0, 1) (the fraction of elements not sent), got {value!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (an L2 norm) or None for no clipping, got {clip_norm!r}")
+        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0 (steps per warm-up stage), got {warmup_steps!r}")
+        self.sparsity, self.momentum = float(sparsity), float(momentum)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.warmup_steps = int(warmup_steps)
+        self.warmup_sparsity = tuple(float(s) for s in warmup_sparsity)
+        self.steps = 0
+        self.velocity, self.accumulated = Residuals(), Residuals()
+
+    def settings(self) -> dict[str, Any]:
+        return {"sparsity": self.sparsity, "momentum": self.momentum, "clip_norm": self.clip_norm,
+                "warmup_steps": self.warmup_steps, "warmup_sparsity": self.warmup_sparsity}
+
+    def bind(self, world_size: int, local: LocalOptimizer) -> None:  # noqa: ARG002
+        """Refuse a local optimizer with momentum: DGC's velocity replaces it (momentum correction).
+
+        Raises:
+            ValueError: naming the optimizer setting and the fix.
+        """
+        for where, value in inner_momenta(local):
+            if value != 0:
+                raise ValueError(
+                    f"DGC keeps the momentum itself (momentum correction), so the local optimizer's must be "
+                    f"off: {where} is {value}, expected 0. Build the optimizer with momentum=0 and pass the "
+                    f"momentum to the strategy: DGC(momentum={value}, ...)")
+
+    def density(self, step: int) -> float:
+        """Fraction of each tensor's elements sent at ``step`` (0-based), from the warm-up schedule.
+
+        Computed on the decimal forms of the sparsities, so 0.999 gives
+        exactly 0.001, not ``1 - 0.999 = 0.0010000000000000009``.
+        """
+        stage = step // self.warmup_steps if self.warmup_steps else len(self.warmup_sparsity)
+        sparsity = self.warmup_sparsity[stage] if stage < len(self.warmup_sparsity) else self.sparsity
+        return float(1 - Fraction(repr(sparsity)))
+
+    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:  # noqa: ARG002
+        key = (ctx.key, ctx.index)
+        if self.clip_norm is not None:
+            bound = self.clip_norm / math.sqrt(ctx.comm.size)
+            norm = float(xp_of(flat).linalg.norm(flat.astype(np.float64)))
+            if norm > bound:  # float64 norm: a float16 or float32 sum of squares can overflow
+                flat *= flat.dtype.type(bound / norm)
+        u = self.velocity.get(key, flat)
+        v = self.accumulated.get(key, flat)
+        u *= u.dtype.type(self.momentum)
+        u += flat                                              # momentum correction: u = m u + g
+        v += u                                                 # v accumulates the velocity
+        idx = _select(ctx, v, self.density(self.steps))
+        values = v[idx]
+        v[idx] = 0
+        u[idx] = 0                                             # momentum factor masking
+        ctx.counters.sparse_entries += int(idx.size)
+        sent = _exchange(ctx, flat, idx, values)
+        flat /= flat.dtype.type(divisor)
+        if ctx.index == ctx.count - 1:
+            self.steps += 1
+        return Done(sent)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "velocity": self.velocity.state_dict(),
+                "accumulated": self.accumulated.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.velocity.load_state_dict(state["velocity"])
+        self.accumulated.load_state_dict(state["accumulated"])
+
+
+def _select(ctx: BucketContext, v: Any, density: float) -> Any:
+    """Ascending positions in the bucket of each tensor's ``max(1, ceil(density * size))`` largest ``|v|``.
+
+    Per tensor, as the paper's per-layer thresholds: a layer of small
+    gradients is not starved by one of large gradients sharing its bucket,
+    and the selection does not depend on how tensors are bucketed.
+    """
+    parts = []
+    for slot in ctx.bucket.slots:
+        if slot.size:
+            chosen = topk_indices(v[slot.offset:slot.offset + slot.size], k_for(slot.size, density))
+            parts.append(chosen.astype(index_dtype(v.size)) + slot.offset)
+    return parts[0] if len(parts) == 1 else xp_of(v).concatenate(parts)
+
+
+def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:
+    """Write into ``flat`` the SUM over ranks of every rank's ``values`` at its ``idx``; returns bytes sent.
+
+    Sparse: all-gather the pairs, scatter-add them in rank order. When the
+    pairs of all ranks would take at least the dense bucket's bytes, the
+    pairs travel as one dense all-reduce (zeros elsewhere) instead.
+    """
+    n, comm = flat.size, ctx.comm
+    pair_bytes = index_dtype(n).itemsize + flat.dtype.itemsize
+    if comm.size * idx.size * pair_bytes >= flat.nbytes:
+        ctx.counters.sparse_dense_fallbacks += 1
+        flat[...] = 0
+        flat[idx] = values
+        comm.all_reduce(flat, op="sum")
+        return int(flat.nbytes)
+    all_idx = comm.all_gather(idx).reshape(-1)
+    all_val = comm.all_gather(values).reshape(-1)
+    flat[...] = densify(all_idx, all_val, n, flat.dtype)
+    return int(idx.nbytes + values.nbytes)

@@ -103,7 +103,7 @@ def worker_ddp(result_file: str, argv: list[str]) -> int:
     train_x, train_y = torch.from_numpy(train_x), torch.from_numpy(train_y)
     test_x, test_y = torch.from_numpy(test_x), torch.from_numpy(test_y)
     sampler = distopt.DistributedSampler(len(train_x), args.batch_size, rank, size, seed=args.seed)
-    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
+    steps = sampler.num_batches() if args.max_steps is None else min(sampler.num_batches(), args.max_steps)
     n_eval = len(test_x) if args.eval_limit is None else min(len(test_x), args.eval_limit)
     eval_idx = distopt.eval_partition_indices(n_eval, rank, size)
 
@@ -119,7 +119,7 @@ def worker_ddp(result_file: str, argv: list[str]) -> int:
         sampler.set_epoch(epoch)
         ddp.train()
         totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-        for step, idx in enumerate(sampler):
+        for step, idx in enumerate(sampler.batches()):
             if step >= steps:
                 break
             b = torch.from_numpy(idx)
@@ -157,7 +157,7 @@ def _result(args: argparse.Namespace, history: list[dict[str, Any]], size: int, 
 
     n_train = 60000  # Fashion-MNIST's training set
     sampler = distopt.DistributedSampler(n_train, args.batch_size, 0, size, seed=args.seed)
-    steps = len(sampler) if args.max_steps is None else min(len(sampler), args.max_steps)
+    steps = sampler.num_batches() if args.max_steps is None else min(sampler.num_batches(), args.max_steps)
     per_rank = min(steps * args.batch_size, sampler.num_samples)
     return {"strategy": strategy, "world_size": size, "history": history, "steps": steps,
             "samples_per_epoch": per_rank * size, "threads": args.threads or max(1, _common.cpus() // size)}

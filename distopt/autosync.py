@@ -81,8 +81,8 @@ class AutoSync:
         self._reduced = False
         self._skipped = False
         local.follower = self
-        local.optimizer.register_step_pre_hook(self._pre_step)
-        local.optimizer.register_step_post_hook(self._post_step)
+        local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
+        local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params())
 
     # ------------------------------------------------------------ backward

@@ -51,6 +51,9 @@ class LocalOptimizer(ABC):
     def remember(self, params: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
         """Record the shared parameter order (array models: from ``sync_params`` or a step)."""
 
+    def detach(self) -> None:  # noqa: B027 (optional hook)
+        """Remove the hooks DistOpt placed on the model and optimizer (array optimizers have none)."""
+
     @abstractmethod
     def state_dict(self) -> Any:
         """The optimizer's state (None if it has none)."""

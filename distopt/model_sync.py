@@ -106,4 +106,4 @@ def attach_model(face: Any, model: Any, broadcast_buffers: bool) -> None:
             if module.training:
                 face.sync_buffers("broadcast")
 
-        model.register_forward_pre_hook(before_forward)
+        face.local.handles.append(model.register_forward_pre_hook(before_forward))

@@ -282,8 +282,10 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         """Release the communicator and the reduction thread; a second call does nothing.
 
         Afterwards every collective raises
-        :class:`~distopt.errors.CommunicatorClosedError` on every rank.
+        :class:`~distopt.errors.CommunicatorClosedError` on every rank; the
+        hooks it put on the model's tensors and the optimizer are removed.
         """
+        self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         self.engine.close()
         self.comm.close()
 

@@ -61,6 +61,7 @@ class TorchOptimizer(LocalOptimizer):
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self._hooked: set[int] = set()
+        self.handles: list[Any] = []  # every hook this DistOpt registered (removed by detach())
         self._armed: tuple[Any, dict[int, int]] | None = None
         self.follower: Any = None
         self.engine_path = False
@@ -77,8 +78,14 @@ class TorchOptimizer(LocalOptimizer):
         """Register the post-accumulate-grad hook on each tensor that requires a gradient (once)."""
         for t in tensors:
             if t.requires_grad and id(t) not in self._hooked and hasattr(t, "register_post_accumulate_grad_hook"):
-                t.register_post_accumulate_grad_hook(self._on_grad)
+                self.handles.append(t.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(id(t))
+
+    def detach(self) -> None:
+        """Remove every hook this adapter (and DistOpt's model and step hooks) registered."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self._hooked = [], set()
 
     def arrays(self) -> list[Any]:
         """Array views of the parameters (writing them changes the model)."""

@@ -306,7 +306,10 @@ def test_dgc_refuses_torch_sgd_with_momentum():
         opt = DistOpt(torch.optim.SGD(groups, lr=0.1, momentum=0.0), comm=comm, strategy=DGC())
         with pytest.raises(ValueError, match=r"torch\.optim\.SGD\.param_groups\[1\]\['momentum'\] is 0\.5"):
             opt.backward_and_update(model(torch.ones(4, 3)).sum())
-        ok = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, strategy=DGC(sparsity=0.5))
+        opt.close()  # its hooks leave the model (and it closes the world's communicator)
+        from distopt.comm import create
+
+        ok = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=create("single"), strategy=DGC(sparsity=0.5))
         ok.backward_and_update(model(torch.ones(4, 3)).sum())  # momentum 0: runs
         return ok.stats.steps
 

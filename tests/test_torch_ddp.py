@@ -254,3 +254,19 @@ def test_model_names_differ_raise_on_every_rank():
 
     for msg in run_world(W, rank_fn):
         assert "rank 0 has '0.weight', rank 1 has 'first.weight'" in msg, msg
+
+
+def test_close_removes_the_hooks_from_the_model_and_optimizer():
+    """A closed DistOpt no longer runs in the model's backward or the optimizer's step: a new one over
+    the same model trains as if the first never existed."""
+    from distopt.comm import create
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = DistOpt(sgd, comm=create("single"), model=model)
+    first.close()
+    second = DistOpt(sgd, comm=create("single"), model=model)
+    model(torch.ones(5, 3)).sum().backward()  # the first one's hooks would raise CommunicatorClosedError
+    sgd.step()
+    assert second.stats.steps == 1 and first.stats.steps == 0
+    second.close()

@@ -38,6 +38,7 @@ from .._fastcast import cast_into
 from . import descriptor
 from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
 from .base import REDUCE_OPS, check_reduce_args
+from .staging import staged, staged_async
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
 from .wait import Backoff, resolve_timeout, wait_until
 
@@ -238,6 +239,7 @@ class MPICommunicator(CommunicatorState):
         raise TypeError(f"dtype {dt} is not supported by the MPI backend")
 
     # --------------------------------------------------------------- protocol
+    @staged
     @collective
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``array`` in place across ranks; see :class:`Communicator`.
@@ -255,6 +257,7 @@ class MPICommunicator(CommunicatorState):
             np.divide(array, self.size, out=array)
         return array
 
+    @staged_async
     @collective
     def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> "MpiHandle":
         """Start an in-place all-reduce (``Iallreduce``) and return at once.
@@ -278,6 +281,7 @@ class MPICommunicator(CommunicatorState):
             request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
         return MpiHandle(self, request, array, op)
 
+    @staged
     @collective
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` with root's contents on every rank (in place)."""
@@ -289,6 +293,7 @@ class MPICommunicator(CommunicatorState):
             self._wait(self._comm.Ibcast([buf, mpi_type], root=root), what)
         return array
 
+    @staged
     @collective
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
@@ -299,6 +304,7 @@ class MPICommunicator(CommunicatorState):
             self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
         return out
 
+    @staged
     @collective
     def all_gather_v(self, array: np.ndarray) -> list[np.ndarray]:
         """Gather 1-D arrays of per-rank lengths (0 allowed); list of ``size`` arrays."""

@@ -78,6 +78,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError
 from .base import REDUCE_OPS, check_reduce_args
+from .staging import staged
 from .lifecycle import CommunicatorState, collective
 from .wait import Backoff, resolve_timeout, wait_until
 
@@ -470,6 +471,7 @@ class ShmCommunicator(CommunicatorState):
 
     # ------------------------------------------------------------ collectives
 
+    @staged
     @collective
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``array`` across ranks in place (reduce-scatter + all-gather).
@@ -547,6 +549,7 @@ class ShmCommunicator(CommunicatorState):
             if not direct:
                 mine[start:stop] = acc
 
+    @staged
     @collective
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Overwrite ``array`` on every rank with root's contents, in place.
@@ -570,6 +573,7 @@ class ShmCommunicator(CommunicatorState):
         self._finish(c)
         return array
 
+    @staged
     @collective
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-sized arrays from every rank.
@@ -594,6 +598,7 @@ class ShmCommunicator(CommunicatorState):
         self._finish(c)
         return out
 
+    @staged
     @collective
     def all_gather_v(self, array: np.ndarray) -> list[np.ndarray]:
         """Gather 1-D arrays whose lengths (in elements, may be 0) differ per rank.

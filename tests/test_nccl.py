@@ -11,14 +11,12 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from tests.gpu import require_device  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def comm():
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    require_device()
     from distopt.comm.nccl import NcclCommunicator, new_unique_id
 
     c = NcclCommunicator(rank=0, size=1, unique_id=new_unique_id(), device=0)

@@ -12,14 +12,12 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from tests.gpu import require_device  # noqa: E402
+
 
 @pytest.fixture(scope="module", params=["mpi", "shm"])
 def comm(request):
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    require_device()
     from distopt.comm import create
     from distopt.nccl_id import NcclIdHolder
 
@@ -44,11 +42,7 @@ def test_collectives_on_cupy_arrays(comm):
 
 
 def test_distopt_over_mpi_with_cupy_parameters_equals_numpy():
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    require_device()
     import distopt
 
     results = []

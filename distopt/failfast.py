@@ -2,7 +2,7 @@
 
 When an uncaught exception reaches the top of a rank, the traceback is
 printed as usual and then ``MPI_Abort`` ends every process of the job
-(ChainerMN #236 / PR 250, mpi4py #290; shared case H02). ``python -m mpi4py
+(ChainerMN #236 / PR 250, mpi4py #290). ``python -m mpi4py
 script.py`` does the same for any script.
 """
 from __future__ import annotations

@@ -78,8 +78,7 @@ class Launcher:
 
 def _test(started: Any) -> None:
     """Progress a started reduction (MPI needs test() calls to move while backward runs)."""
-    handle = started[-1] if isinstance(started, tuple) else started
-    test = getattr(handle, "test", None)
+    test = getattr(started, "test", None)
     if test is not None:
         test()
 
@@ -188,11 +187,10 @@ class BucketPipeline:
                 self._wait(b)
 
     def _wait(self, b: int) -> None:
-        started = self.started[b]
-        handle = started[-1] if isinstance(started, tuple) else started
-        if hasattr(handle, "wait"):
+        wait = getattr(self.started[b], "wait", None)
+        if wait is not None:
             with self.context(self._where(b)):
-                handle.wait()
+                wait()
 
     def finish(self, grads: list[Any], divisor: int) -> None:
         """Complete every bucket, average over ``divisor`` ranks, unpack into ``grads``.

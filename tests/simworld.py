@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from distopt.comm.base import check_reduce_args
+from distopt.comm.lifecycle import Completed
 from distopt.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["SimCommunicator", "run_world", "second_world", "RankFailed"]
@@ -37,16 +38,6 @@ class _Shared:
         self.barrier = threading.Barrier(size)
         self.slots: list[Any] = [None] * size
         self.where: list[str] = ["not started"] * size
-
-
-class _Done:
-    """A completed asynchronous reduction."""
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
 
 
 class SimCommunicator:
@@ -107,9 +98,8 @@ class SimCommunicator:
         array[...] = out
         return array
 
-    def all_reduce_async(self, array: Any, op: str = "sum") -> _Done:
-        self.all_reduce(array, op)
-        return _Done()
+    def all_reduce_async(self, array: Any, op: str = "sum") -> Completed:
+        return Completed(self.all_reduce(array, op))
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
         array[...] = self._exchange("broadcast", array, root)[root]

@@ -69,9 +69,6 @@ class CommunicatorState:
         if self.closed:
             raise self._closed_error(call)
 
-    def close(self) -> None:  # pragma: no cover (every backend defines it)
-        raise NotImplementedError
-
     def __enter__(self) -> Any:
         return self
 

@@ -6,7 +6,7 @@ tested against a deadline, so a rank that never arrives turns into a
 data moves, the ranks exchange a 4-integer descriptor (collective kind,
 sequence number, element count, dtype/op code) with one tiny ``Iallgather``;
 a difference raises :class:`~distopt.errors.CollectiveMismatchError` on every
-rank (shared case H03) instead of a partial or garbled result. On a
+rank instead of a partial or garbled result. On a
 timeout, the error names the ranks that did not arrive and the collective
 each one is in, read from a small RMA window where every rank posts its
 collective sequence number (passive one-sided ``Rget``, itself bounded).

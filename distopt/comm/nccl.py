@@ -3,7 +3,7 @@
 Stream order: every collective runs on the communicator's own CUDA stream,
 which first waits (``cudaStreamWaitEvent``) for an event recorded on the
 caller's current stream, so the kernels that filled the buffer finish
-before NCCL reads it (ChainerMN PR 201, shared case H30); the caller's
+before NCCL reads it (ChainerMN PR 201); the caller's
 current stream then waits for the collective, so later kernels see the
 result. No host synchronisation happens except where a count must reach
 the host (``all_gather_v``).

@@ -63,8 +63,8 @@ class BucketContext:
             contiguous gradient), False when it is a packed copy.
         comm: the communicator (blocking collectives).
         launch: ``launch(array, op)`` starts an all-reduce and returns a
-            handle with ``wait()`` and ``test()``; asynchronous where the
-            backend allows it.
+            handle with ``test()`` and ``wait()`` (which returns the reduced
+            array); asynchronous where the backend allows it.
         counters: the step counters (``stats``) a strategy may add to.
     """
 
@@ -140,7 +140,8 @@ class Strategy(ABC):
     def start(self, ctx: BucketContext, flat: Any) -> Any:
         """Start reducing bucket ``ctx.index`` held in ``flat`` (1-D, the bucket's dtype).
 
-        Returns what :meth:`finish` needs (default: nothing started yet).
+        Returns what :meth:`finish` needs (default: nothing started yet); if
+        it has ``test()`` / ``wait()`` the pipeline progresses and bounds it.
         """
         return None
 

@@ -130,7 +130,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
             install_abort_on_exception()
         self.model = model
         self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, DEFAULT_THRESHOLD)
-                      if isinstance(self.local, TorchOptimizer) else None)
+                      if torch_opt else None)
         owned = self.local.arrays()
         if model is not None:
             attach_model(self, model, broadcast_buffers)

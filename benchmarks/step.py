@@ -22,9 +22,12 @@ Baselines (communication only):
 * ``raw-allreduce``: one mpi4py ``Allreduce(IN_PLACE)`` of all 25,557,032
   floats in a preallocated flat buffer: the reference for ``x raw``;
 * ``naive-per-tensor``: one ``Allreduce`` per gradient tensor (161 calls);
-* ``layout``: DistOpt's own bucket layout (reverse order, 1 MiB first
-  bucket, default threshold and buffer size), the buckets prepacked in
-  flat buffers and reduced one ``Allreduce`` at a time (no packing timed);
+* ``layout``: DistOpt's own bucket layout for the plain strategy (reverse
+  order, 1 MiB first bucket, the plain strategy's default threshold and
+  the default buffer size), the buckets prepacked in flat buffers and
+  reduced one ``Allreduce`` at a time (no packing timed);
+* ``layout-avg``: the same, each bucket then divided by the world size
+  (the mean, which a step must deliver: the floor of a dense step here);
 * ``ddp-gloo-bucketed``: PyTorch DDP's scheme without the backward overlap:
   tensors in reverse order packed into 25 MiB buckets, each divided by the
   world size and all-reduced with ``torch.distributed`` gloo
@@ -135,6 +138,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "raw": ("raw-allreduce (one flat buffer)", "base"),
     "naive": ("naive-per-tensor (161 Allreduce)", "base"),
     "layout": ("DistOpt's buckets, one Allreduce each", "base"),
+    "layout_avg": ("DistOpt's buckets, Allreduce + divide", "base"),
     "update": ("SGD update alone (momentum, wd)", "base"),
     "ddp": ("ddp-gloo-bucketed (25 MiB, reverse)", "base"),
     "step": ("DistOpt.step (SGD update incl.)", "dist"),
@@ -230,15 +234,18 @@ def main(argv: list[str] | None = None) -> int:
                 for g in grads:
                     raw.Allreduce(MPI.IN_PLACE, [g, MPI.FLOAT], MPI.SUM)
             variants.append(Variant(key, naive, close=raw.Free))
-        elif key == "layout":
+        elif key in ("layout", "layout_avg"):
             raw = world.Dup()
-            plan = distopt.buckets.plan_buckets([(g.shape, g.dtype) for g in master], distopt.engine.DEFAULT_THRESHOLD,
-                                               4194304, reverse=True, first_bucket=distopt.engine.FIRST_BUCKET)
+            plan = distopt.buckets.plan_buckets([(g.shape, g.dtype) for g in master],
+                                               distopt.strategies.Dense.default_threshold, 4194304, reverse=True,
+                                               first_bucket=distopt.engine.FIRST_BUCKET)
             flats = [distopt.buckets.pack(b, master)[0].copy() for b in plan]
 
-            def layout(raw: Any = raw, flats: list[np.ndarray] = flats) -> None:
+            def layout(raw: Any = raw, flats: list[np.ndarray] = flats, avg: bool = key == "layout_avg") -> None:
                 for f in flats:
                     raw.Allreduce(MPI.IN_PLACE, [f, MPI.FLOAT], MPI.SUM)
+                    if avg:
+                        np.divide(f, n, out=f)
             variants.append(Variant(key, layout, prepare=lambda: None, close=raw.Free))
         elif key == "update":
             sgd = distopt.SGD(lr=args.lr, momentum=0.9, weight_decay=1e-4)
@@ -411,6 +418,7 @@ def _targets(results: dict[str, dict[str, Any]], fastest: float | None) -> dict[
     dense = t.get("step_noop")
     update_ref = fastest + t["update"] if fastest and "update" in t else None
     return {"step no-op / fastest raw": (ratio("step_noop", fastest), 1.10),
+            "step no-op / layout-avg (raw sums + the division)": (ratio("step_noop", t.get("layout_avg")), 1.10),
             "step SGD / (fastest raw + update)": (ratio("step", update_ref), 1.10),
             "half fp16 / dense step": (ratio("half", dense), 1.25),
             "half bf16 / dense step": (ratio("half_bf16", dense), 1.0),

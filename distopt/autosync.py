@@ -64,7 +64,7 @@ class AutoSync:
     """
 
     def __init__(self, face: DistOpt, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
-                 threshold: int) -> None:
+                 threshold: int | None) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
         self.face, self.local, self.k = face, local, passes_per_step

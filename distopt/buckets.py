@@ -16,7 +16,15 @@ import numpy as np
 
 from ._array import xp_of
 
-__all__ = ["Slot", "Bucket", "plan_buckets", "pack", "put", "unpack", "is_float"]
+__all__ = ["Slot", "Bucket", "plan_buckets", "pack", "put", "unpack", "is_float", "DEFAULT_THRESHOLD",
+           "VIEW_THRESHOLD"]
+
+DEFAULT_THRESHOLD = 2097152
+"""Default ``threshold`` in ELEMENTS: larger parameters are reduced alone (SINGA's default)."""
+
+VIEW_THRESHOLD = 65536
+"""Default ``threshold`` in ELEMENTS of the strategies whose result does not depend on the layout
+(plain, half): a parameter above 256 KiB of float32 is reduced in place, with no copy into a bucket."""
 
 
 @dataclass(frozen=True)

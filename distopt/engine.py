@@ -5,7 +5,8 @@ Per step, the engine
 1. agrees with the other ranks on the step (one small all-gather, the "step
    header": digests of the parameter shapes/dtypes and of the strategy's
    settings, whether this rank's parameter list changed, whether it is inside
-   ``join()``). Different digests raise
+   ``join()``, and, when the gradients are already known (a step called
+   after backward), whether any is missing or not finite). Different digests raise
    :class:`~distopt.errors.CollectiveMismatchError` on every rank naming
    the first difference (so ranks on different strategies or models never
    exchange garbage); a changed parameter list on any rank makes every rank
@@ -14,7 +15,11 @@ Per step, the engine
 2. runs the strategy's bucket reductions through one
    :class:`~distopt.pipeline.BucketPipeline`;
 3. agrees on which gradients exist, how many ranks contribute and whether
-   to skip the step (one small all-reduce), then completes the buckets.
+   to skip the step, then completes the buckets. That takes one more small
+   all-reduce only when the header could not settle it: gradients not known
+   at the header (overlap with backward), missing on some rank, or some
+   rank inside ``join()``. A steady-state step after backward thus costs one
+   control collective.
 
 Averaging independent random inits would shrink them, so parameters are
 broadcast from rank 0, never averaged. Every collective error carries the
@@ -24,13 +29,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ._array import xp_of
 from .agreement import check_same, digest
-from .buckets import Bucket, is_float, pack, plan_buckets, unpack
+from .buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
 from .comm.base import Communicator
 from .counters import Counters
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -38,9 +43,6 @@ from .pipeline import BucketPipeline, Launcher
 from .strategies.base import Strategy
 
 __all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
-
-DEFAULT_THRESHOLD = 2097152
-"""Default ``threshold`` in ELEMENTS: larger parameters are reduced alone (SINGA's default)."""
 
 FIRST_BUCKET = 262144
 """ELEMENTS of the first reverse-order bucket (1 MiB of float32, as PyTorch DDP), so reduction starts early."""
@@ -97,14 +99,16 @@ class Engine:
 
     # ------------------------------------------------------------ context
     @contextmanager
-    def context(self, where: str) -> Iterator[None]:
-        """Prefix a collective error with the step number and ``where`` it happened."""
+    def context(self, where: str | Callable[[], str]) -> Iterator[None]:
+        """Prefix a collective error with the step number and ``where`` it happened (a string, or a
+        function building it, called only on an error)."""
         try:
             yield
         except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
             if str(exc).startswith("step "):
                 raise
-            raise type(exc)(f"step {self.counters.steps + 1}, {where}: {exc}") from exc
+            place = where if isinstance(where, str) else where()
+            raise type(exc)(f"step {self.counters.steps + 1}, {place}: {exc}") from exc
 
     # ------------------------------------------------- parameters and layout
     def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
@@ -124,16 +128,23 @@ class Engine:
         if specs != self._specs:  # the next step with these parameters needs no second broadcast
             self._specs, self._layouts = specs, {}
 
-    def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool) -> _Layout:
-        """The step header (see the module docs); returns the layout for this step."""
+    def _not_finite(self, grads: Sequence[Any]) -> bool:
+        return any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
+
+    def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool,
+               grads: Sequence[Any] | None) -> tuple[_Layout, Outcome | None]:
+        """The step header (see the module docs); returns the layout for this step, and the step's
+        outcome when the header settled it."""
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, str(p.dtype)) for p in params)
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
                 "reverse": reverse, **strategy.describe()}
         if specs != self._specs_digest[0]:
             self._specs_digest = (specs, digest([[list(shape), dtype] for shape, dtype in specs]))
-        header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined)],
-                          dtype=np.int64)
+        unsettled = grads is None or any(g is None for p, g in zip(params, grads) if is_float(p))
+        not_finite = self.check_finite and not unsettled and self._not_finite(grads)  # type: ignore[arg-type]
+        header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
+                           int(unsettled), int(not_finite)], dtype=np.int64)
         everyone = self.comm.all_gather(header)
         if (everyone[:, :2] != everyone[0, :2]).any():
             check_same(self.comm, params, full)
@@ -150,25 +161,36 @@ class Engine:
                                    reverse=reverse, first_bucket=first)
             floats = [b for b in buckets if is_float(b.dtype)]
             self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats)
-        return self._layouts[slot]
+        settled = None
+        if not everyone[:, 3:5].any():  # nobody joined, every rank holds every float gradient
+            settled = Outcome([is_float(p) for p in params], self.comm.size, bool(everyone[:, 5].any()))
+        return self._layouts[slot], settled
 
     # ------------------------------------------------------------- the step
-    def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int,
-              joined: bool = False, views: bool = True) -> BucketPipeline:
+    def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None,
+              joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
+
+        ``threshold``: elements above which a parameter is a bucket of its
+        own; None means the strategy's ``default_threshold``.
 
         ``joined``: this rank is inside ``join()`` (stepping or shadowing).
         ``views``: see :class:`~distopt.pipeline.BucketPipeline`.
+        ``grads``: the step's gradients when backward has already run (the
+        header then settles the step's outcome); None during backward.
 
         Raises:
             CollectiveMismatchError: parameters or settings differ across ranks.
             ValueError: a rank has joined and the strategy does not support ``join``.
         """
         params = list(params)
+        threshold = strategy.default_threshold if threshold is None else threshold
         with self.context("parameter check"):
-            layout = self._agree(strategy, params, threshold, joined)
-        return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
-                              self.comm, self.counters, self.context, views)
+            layout, settled = self._agree(strategy, params, threshold, joined, grads)
+        pipeline = BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
+                                  self.comm, self.counters, self.context, views)
+        pipeline.settled = settled
+        return pipeline
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place.
@@ -183,8 +205,10 @@ class Engine:
         one more one-element all-reduce so every rank decides the same; the
         averaged (non-finite) values are then left in ``grads``.
         """
+        if pipeline.settled is not None and not pipeline.settled.applies:  # skipped before any reduction
+            return self.agree_on_gradients(pipeline.params, grads, active, pipeline.settled)
         pipeline.launch_rest(grads)
-        outcome = self.agree_on_gradients(pipeline.params, grads, active)
+        outcome = self.agree_on_gradients(pipeline.params, grads, active, pipeline.settled)
         if not outcome.applies:
             pipeline.abandon()
             return outcome
@@ -200,15 +224,25 @@ class Engine:
                 self.counters.skipped_steps += 1
         return outcome
 
-    def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool) -> Outcome:
-        """One small all-reduce: per parameter, how many ranks have a gradient; how many ranks are
-        active (not joined); whether any rank saw a non-finite gradient (only with ``check_finite``)."""
+    def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
+                           settled: Outcome | None = None) -> Outcome:
+        """Per parameter, whether some rank has a gradient; how many ranks are active (not joined);
+        whether any rank saw a non-finite gradient (only with ``check_finite``).
+
+        ``settled``: the outcome the step header already agreed on (no
+        collective then); None runs one small all-reduce.
+        """
+        if settled is not None:
+            outcome = Outcome(list(settled.present), settled.active, settled.skipped)
+            if outcome.skipped:
+                self.counters.skipped_steps += 1
+            return outcome
         flags = np.zeros(len(params) + 2, dtype=np.int32)
         for i, (p, g) in enumerate(zip(params, grads)):
             flags[i] = g is not None and is_float(p)
         flags[-2] = int(active)
         if self.check_finite and active:
-            flags[-1] = any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
+            flags[-1] = self._not_finite(grads)
         with self.context("agreement on gradients present"):
             self.comm.all_reduce(flags, op="sum")
         outcome = Outcome([bool(c) for c in flags[:-2]], int(flags[-2]), bool(flags[-1]))

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .engine import DEFAULT_THRESHOLD
 from .strategies import Strategy
 
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ class LastStep:
 
     strategy: Strategy
     params: list[Any]
-    threshold: int
+    threshold: int | None
 
 
 class JoinMethods:
@@ -39,7 +38,7 @@ class JoinMethods:
     local: LocalOptimizer
     strategy: Strategy
     if TYPE_CHECKING:  # provided by DistOpt
-        def _step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int,
+        def _step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int | None,
                   pipeline: Any = None, active: bool = True) -> int: ...
 
     def flush(self) -> None:
@@ -103,7 +102,7 @@ class JoinMethods:
                 owned = self.local.arrays()
                 if params is None and owned is None:
                     raise ValueError("join() needs params= for an array model that has run no step")
-                strategy, known, threshold = self.strategy, list(owned if params is None else params), DEFAULT_THRESHOLD
+                strategy, known, threshold = self.strategy, list(owned if params is None else params), None
             while self._step(strategy, known, [None] * len(known), threshold, active=False):
                 pass
         finally:

@@ -16,7 +16,7 @@ from .accumulate import GradientAccumulator
 from .buckets import is_float
 from .comm.base import Communicator
 from .counters import Counters
-from .engine import DEFAULT_THRESHOLD, Engine
+from .engine import Engine
 from .failfast import install_abort_on_exception
 from .join import JoinMethods, LastStep
 from .local import checked_pairs, wrap_local
@@ -129,7 +129,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         if abort_on_exception and comm.name == "mpi":
             install_abort_on_exception()
         self.model = model
-        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, DEFAULT_THRESHOLD)
+        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, None)
                       if torch_opt else None)
         owned = self.local.arrays()
         if model is not None:
@@ -173,7 +173,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
 
     # ------------------------------------------------------------ steps
     def step(self, params: Any = None, grads: Sequence[Any] | None = None,
-             threshold: int = DEFAULT_THRESHOLD) -> Any:
+             threshold: int | None = None) -> Any:
         """Average ``grads`` across ranks with :attr:`strategy`, then update ``params``.
 
         PyTorch: ``step()`` or ``step(closure)`` is ``optimizer.step(closure)``
@@ -185,8 +185,11 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                 parameter without a gradient this step. Given arrays are
                 overwritten with the average.
             threshold: parameters with more than this many ELEMENTS are
-                reduced alone, smaller ones fused into buffers of
-                ``buffSize`` elements.
+                reduced alone (in place when contiguous), smaller ones
+                fused into buffers of ``buffSize`` elements; None means
+                the strategy's ``default_threshold`` (65536 for plain and
+                half, whose results do not depend on the layout; SINGA's
+                2097152 for the others).
 
         Raises:
             ValueError: ``params`` and ``grads`` differ in length or shape.
@@ -199,7 +202,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         self._run(self.strategy, params, grads, threshold)
         return None
 
-    def backward_and_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD) -> None:
+    def backward_and_update(self, loss: Any, threshold: int | None = None) -> None:
         """Backward pass, reduction with :attr:`strategy`, local update (see :meth:`step`).
 
         With ``overlap=True`` (the default) each bucket's reduction starts
@@ -216,7 +219,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         """
         self._backward_run(self.strategy, loss, threshold)
 
-    def _backward_run(self, strategy: Strategy, loss: Any, threshold: int) -> None:
+    def _backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
         if self._sync is not None and self._sync.k > 1 and strategy is self.strategy:
             loss.backward()  # accumulates in .grad; the k-th pass averages
             if self._sync.passes == 0:
@@ -233,19 +236,20 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                 return
         self._run(strategy, *self.local.backward(loss), threshold)
 
-    def _begin(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool = False,
-               views: bool = True) -> Any:
+    def _begin(self, strategy: Strategy, params: list[Any], threshold: int | None, joined: bool = False,
+               views: bool = True, grads: Sequence[Any] | None = None) -> Any:
         strategy.bind(self.world_size, self.local)
-        return self.engine.begin(strategy, params, threshold, joined, views)
+        return self.engine.begin(strategy, params, threshold, joined, views, grads)
 
-    def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int) -> None:
+    def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int | None) -> None:
         """The strategy's after-update (partial averaging) over the float ``params``."""
         floats = [p for p in params if is_float(p)]
+        threshold = strategy.default_threshold if threshold is None else threshold
         strategy.after_update(UpdateContext(floats, threshold, self.comm, self.stats,
                                             self.local.momentum_arrays, self.engine.average_arrays))
         self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
 
-    def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int) -> None:
+    def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> None:
         """Check arguments, accumulate micro-batches if asked, then step with ``strategy``."""
         params, grads = checked_pairs(params, grads)
         self.local.remember(params)  # the shared order of an array model's later overlapped backward
@@ -257,13 +261,13 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
             grads = released
         self._step(strategy, params, grads, threshold)
 
-    def _step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int,
+    def _step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int | None,
               pipeline: Any = None, active: bool = True) -> int:
         """Reduce, update, run the strategy's after-update; returns the number of active ranks."""
         self.active_strategy = strategy
         self._strategies.restore(strategy)
         if pipeline is None:
-            pipeline = self._begin(strategy, params, threshold, joined=self._joining)
+            pipeline = self._begin(strategy, params, threshold, joined=self._joining, grads=grads)
         if strategy.reduces_gradients:
             outcome = self.engine.complete(pipeline, grads, active)
             if outcome.applies:
@@ -271,7 +275,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                 if any(outcome.present):
                     self.local.apply(params, grads, outcome.present)
             return outcome.active
-        outcome = self.engine.agree_on_gradients(params, grads, active)
+        outcome = self.engine.agree_on_gradients(params, grads, active, pipeline.settled)
         if outcome.applies:
             self.local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
             self.stats.steps += 1

@@ -30,7 +30,7 @@ from .strategies.base import BucketContext, Strategy
 __all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
 
 #: Reductions started after backward that may be in flight at once.
-IN_FLIGHT = 2
+IN_FLIGHT = 1
 
 
 class _ThreadHandle:
@@ -97,7 +97,7 @@ class BucketPipeline:
         comm: the communicator.
         counters: the step counters.
         context: ``context(where)`` wraps collective errors with the step
-            and the bucket.
+            and the bucket (``where``: a string or a function returning one).
         views: reduce a lone contiguous gradient in place (no copy). False
             packs every bucket into a buffer the pipeline owns, so that a
             reduction abandoned by an exception in backward never writes
@@ -117,6 +117,7 @@ class BucketPipeline:
         self.flats: dict[int, tuple[Any, bool]] = {}
         self.started: dict[int, Any] = {}
         self.next = 0
+        self.settled: Any = None  # the engine's Outcome when the step header settled it
 
     def _ctx(self, b: int) -> BucketContext:
         return BucketContext(b, len(self.buckets), self.key, self.buckets[b], self.flats[b][1], self.comm,
@@ -163,7 +164,7 @@ class BucketPipeline:
         return profile_range(f"distopt.{self.strategy.name} {phase} bucket {b + 1}/{len(self.buckets)}")
 
     def _start(self, b: int) -> None:
-        with self.context(self._where(b)), self._range(b, "start"):
+        with self.context(lambda: self._where(b)), self._range(b, "start"):
             self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
         self.next = b + 1
 
@@ -189,7 +190,7 @@ class BucketPipeline:
     def _wait(self, b: int) -> None:
         wait = getattr(self.started[b], "wait", None)
         if wait is not None:
-            with self.context(self._where(b)):
+            with self.context(lambda: self._where(b)):
                 wait()
 
     def finish(self, grads: list[Any], divisor: int) -> None:
@@ -200,7 +201,7 @@ class BucketPipeline:
         """
         for b, bucket in enumerate(self.buckets):
             flat, viewed = self.flats[b]
-            with self.context(self._where(b)), self._range(b, "finish"):
+            with self.context(lambda: self._where(b)), self._range(b, "finish"):
                 done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += int(flat.nbytes)
@@ -212,6 +213,6 @@ class BucketPipeline:
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""
         for b in range(self.next):
-            with self.context(self._where(b)):
+            with self.context(lambda: self._where(b)):
                 self.strategy.abandon(self.started[b])
 

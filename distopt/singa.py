@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .engine import DEFAULT_THRESHOLD
 from .strategies import Half, Partial, Sparse, Strategy
 from .strategy_set import StrategySet
 
@@ -24,9 +23,9 @@ class SingaMethods:
 
     _strategies: StrategySet
     if TYPE_CHECKING:  # provided by DistOpt
-        def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int) -> None: ...
+        def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> None: ...
 
-        def _backward_run(self, strategy: Strategy, loss: Any, threshold: int) -> None: ...
+        def _backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None: ...
 
     def _shim(self, strategy: Strategy) -> Strategy:
         return self._strategies.per_call(strategy)
@@ -35,7 +34,7 @@ class SingaMethods:
     def _half(clipping: bool, clip_Value: float, wire: str, predivide: float | None) -> Half:
         return Half(wire=wire, predivide=predivide, clip=clip_Value if clipping else None)
 
-    def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+    def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
                   clipping: bool = False, clip_Value: float = 100.0, *, wire: str = "float16",
                   predivide: float | None = None) -> None:
         """Like ``step``, but gradients travel as 16-bit floats (:class:`~distopt.strategies.Half`).
@@ -48,7 +47,7 @@ class SingaMethods:
         """
         self._run(self._shim(self._half(clipping, clip_Value, wire, predivide)), params, grads, threshold)
 
-    def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+    def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
                     spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
         """Like ``step``, but each bucket is sparsified before the exchange (:class:`~distopt.strategies.Sparse`).
 
@@ -58,23 +57,23 @@ class SingaMethods:
         """
         self._run(self._shim(Sparse(spars, topK, corr)), params, grads, threshold)
 
-    def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD,
+    def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
                      average_momentum: bool = False) -> None:
         """Local update, then average one chunk of ``threshold`` elements (:class:`~distopt.strategies.Partial`)."""
         self._run(self._shim(Partial(None, average_momentum)), params, grads, threshold)
 
-    def backward_and_update_half(self, loss: Any, threshold: int = DEFAULT_THRESHOLD, clipping: bool = False,
+    def backward_and_update_half(self, loss: Any, threshold: int | None = None, clipping: bool = False,
                                  clip_Value: float = 100.0, *, wire: str = "float16",
                                  predivide: float | None = None) -> None:
         """Backward pass, then :meth:`step_half` (overlapped as ``backward_and_update``)."""
         self._backward_run(self._shim(self._half(clipping, clip_Value, wire, predivide)), loss, threshold)
 
-    def backward_and_partial_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD,
+    def backward_and_partial_update(self, loss: Any, threshold: int | None = None,
                                     average_momentum: bool = False) -> None:
         """Backward pass, then :meth:`step_partial`."""
         self._backward_run(self._shim(Partial(None, average_momentum)), loss, threshold)
 
-    def backward_and_sparse_update(self, loss: Any, threshold: int = DEFAULT_THRESHOLD, spars: float = 0.05,
+    def backward_and_sparse_update(self, loss: Any, threshold: int | None = None, spars: float = 0.05,
                                    topK: bool = False, corr: bool = True) -> None:
         """Backward pass, then :meth:`step_sparse`."""
         self._backward_run(self._shim(Sparse(spars, topK, corr)), loss, threshold)

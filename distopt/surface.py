@@ -13,7 +13,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from .engine import DEFAULT_THRESHOLD
 from .local import checked_pairs
 from .metrics import broadcast_object
 from .model_sync import average_arrays, broadcast_arrays, named_state
@@ -153,7 +152,7 @@ class SurfaceMethods:
         if self.comm.rank != root:
             local.optimizer.load_state_dict(state)
 
-    def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int = DEFAULT_THRESHOLD) -> list[Any]:
+    def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None) -> list[Any]:
         """Average ``grads`` across ranks in place with :attr:`strategy`, without updating (array models).
 
         Lets a user clip or inspect the average before their own update.
@@ -171,7 +170,7 @@ class SurfaceMethods:
         if not strategy.reduces_gradients:
             raise ValueError(f"average() needs a strategy that averages gradients, not {strategy.name!r}")
         params, grads = checked_pairs(params, grads)
-        pipeline = self._begin(strategy, params, threshold)  # type: ignore[attr-defined]
+        pipeline = self._begin(strategy, params, threshold, grads=grads)  # type: ignore[attr-defined]
         outcome = self.engine.complete(pipeline, grads)
         if not outcome.applies:
             return [None] * len(grads)

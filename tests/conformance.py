@@ -96,6 +96,20 @@ def check_all_gather_v(comm) -> None:
             assert part.dtype == np.float32
 
 
+def check_results_survive_the_next_call(comm) -> None:
+    """Small calls may travel inline in a reused control block: their results must be copies."""
+    gathered = comm.all_gather(np.array([comm.rank, 7], dtype=np.int64))
+    pieces = comm.all_gather_v(np.arange(comm.rank + 1, dtype=np.int32))
+    reduced = comm.all_reduce(np.array([1.5], dtype=np.float64))
+    comm.all_gather_v(np.full(3, -1, dtype=np.int32))
+    comm.all_gather(np.array([-5, -5], dtype=np.int64))
+    comm.all_reduce(np.array([-9.0], dtype=np.float64))
+    np.testing.assert_array_equal(gathered, [[r, 7] for r in range(comm.size)])
+    for r, part in enumerate(pieces):
+        np.testing.assert_array_equal(part, np.arange(r + 1, dtype=np.int32))
+    assert reduced.tolist() == [1.5 * comm.size]
+
+
 def check_barrier(comm) -> None:
     for _ in range(3):
         comm.barrier()
@@ -126,6 +140,7 @@ CHECKS = [
     check_broadcast,
     check_all_gather,
     check_all_gather_v,
+    check_results_survive_the_next_call,
     check_barrier,
     check_mismatch_h03,
 ]

@@ -79,9 +79,9 @@ class SimCommunicator:
             raise CollectiveMismatchError(f"rank {self.rank}: collectives differ across ranks: {heads}")
         return [e[4] for e in everyone]
 
-    def all_reduce(self, array: Any, op: str = "sum") -> Any:
+    def all_reduce(self, array: Any, op: str = "sum", kind: str = "all_reduce") -> Any:
         check_reduce_args(array, op)
-        parts = self._exchange("all_reduce", array, op)
+        parts = self._exchange(kind, array, op)
         if array.dtype == np.bool_:
             out = np.logical_and.reduce(parts) if op == "min" else np.logical_or.reduce(parts)
         else:
@@ -99,7 +99,7 @@ class SimCommunicator:
         return array
 
     def all_reduce_async(self, array: Any, op: str = "sum") -> Completed:
-        return Completed(self.all_reduce(array, op))
+        return Completed(self.all_reduce(array, op, kind="all_reduce_async"))
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
         array[...] = self._exchange("broadcast", array, root)[root]

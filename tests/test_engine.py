@@ -404,3 +404,31 @@ def test_steady_state_steps_never_wait_on_the_device_with_a_host_control_plane(k
     assert [syncs for syncs, _ in with_plane] == [0, 0]
     assert all(syncs >= 2 * 4 for syncs, _ in without)  # the header and the flags, every step
     assert all(np.array_equal(a, b) for a, b in zip(with_plane[0][1], without[0][1]))
+
+
+@pytest.mark.parametrize("kind", list(STRATEGIES))
+def test_steady_state_step_after_backward_costs_one_control_collective(kind):
+    """The step header settles a step whose gradients are known, present and finite everywhere;
+    a rank missing a gradient costs the flags all-reduce as well."""
+    cls, kwargs, call = STRATEGIES[kind]
+    header, flags = ("all_gather", 6), ("all_reduce", 2 + 2)  # 6 int64; one int32 per parameter + 2
+
+    def rank_fn(rank, comm):
+        opt = _opt(comm, strategy=cls(**kwargs), buffSize=16)
+        params = [np.zeros(20, np.float32), np.zeros(5, np.float32)]
+        per_step = []
+        for s in range(4):
+            grads = _grads(s, rank, params)
+            if s == 3 and rank == 1:
+                grads[1] = None
+            before = len(comm.calls)
+            call(opt, params, grads, 8)
+            per_step.append(comm.calls[before:])
+        return per_step, [p.copy() for p in params]
+
+    results = run_world(2, rank_fn)
+    for per_step, _ in results:
+        assert [per_step[2].count(header), per_step[2].count(flags)] == [1, 0], per_step[2]
+        assert [per_step[3].count(header), per_step[3].count(flags)] == [1, 1], per_step[3]
+    if kind != "partial":  # partial averages one chunk per step: replicas differ between syncs by design
+        assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))

@@ -6,17 +6,88 @@ partial sum, garbage or a hang. Those backends therefore all-gather four
 int64s per call first, ``(kind, sequence number, element count, code)``,
 and :func:`check` raises :class:`~distopt.errors.CollectiveMismatchError` on
 every rank (all see the same table) naming the first difference.
+
+The exchange is a fixed-size *control block* (:func:`block_bytes`): the
+descriptor, then up to :func:`inline_bytes` bytes of the call's own data.
+A small collective (an all-reduce of a few KiB, a broadcast, a gather)
+travels inside its block, so it costs one exchange, and a small all-reduce
+is then summed locally, in rank order (the same bits on every rank). Every
+block has the same size whatever the call, so two ranks in different calls
+still exchange well-formed blocks and the descriptors tell them apart.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError
 
-__all__ = ["KINDS", "kind_name", "dtype_code", "check"]
+__all__ = ["KINDS", "kind_name", "dtype_code", "check", "HEAD_BYTES", "MAX_INLINE_BYTES", "inline_bytes",
+           "block_bytes", "encode", "reduce_rows", "same"]
 
 #: Collective kinds, by code.
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
+
+
+#: Bytes of the descriptor at the start of a control block (four int64).
+HEAD_BYTES = 32
+
+#: Most BYTES of data one rank's control block carries inline. Larger blocks would make the
+#: descriptor exchange of every large call slower (an 8 KiB block costs twice a 512 B one).
+MAX_INLINE_BYTES = 512
+
+#: Most BYTES all ranks' inline data may add up to (the block shrinks on large worlds).
+_GATHERED_BYTES = 32768
+
+
+def inline_bytes(size: int) -> int:
+    """BYTES of data one control block carries in a world of ``size`` ranks (512 up to 64 ranks,
+    then less, so one exchange gathers at most 32 KiB; at least 64)."""
+    return max(64, min(MAX_INLINE_BYTES, _GATHERED_BYTES // max(size, 1) // 8 * 8))
+
+
+def block_bytes(size: int) -> int:
+    """BYTES of one rank's control block in a world of ``size`` ranks (descriptor + inline data)."""
+    return HEAD_BYTES + inline_bytes(size)
+
+
+def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payload: np.ndarray | None) -> None:
+    """Write a descriptor and an optional inline ``payload`` (any dtype, at most
+    :func:`inline_bytes` bytes) into ``block`` (uint8, :func:`block_bytes` long)."""
+    block[:HEAD_BYTES].view(np.int64)[:] = (kind, seq, count, code)
+    if payload is not None and payload.nbytes:
+        block[HEAD_BYTES:HEAD_BYTES + payload.nbytes] = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+
+
+def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray) -> None:
+    """Reduce every rank's inline copy, in rank order, into ``out``.
+
+    Args:
+        rows: shape ``(size, out.size)``, dtype ``out.dtype``: rank r's
+            array in row r.
+        op: ``"sum"``, ``"avg"`` (the sum divided by the number of rows),
+            ``"max"`` or ``"min"``; booleans reduce as OR (sum, max) and AND
+            (min); 16-bit floats are summed in float32 and rounded once
+            (``"avg"`` then divides in the array's dtype, as the
+            backends' large path does).
+        out: the result (the caller's array), written in place.
+    """
+    flat = out.reshape(-1)
+    if out.dtype == np.bool_:
+        ufunc = np.logical_and if op == "min" else np.logical_or
+    else:
+        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+    half = out.dtype.itemsize == 2 and (out.dtype.kind == "f" or str(out.dtype) == "bfloat16")
+    acc = rows[0].astype(np.float32) if half else flat
+    if not half:
+        np.copyto(flat, rows[0])
+    for row in rows[1:]:  # rank order: the same bits on every rank
+        ufunc(acc, row, out=acc)
+    if half:
+        flat[...] = acc.astype(out.dtype)
+    if op == "avg":
+        np.divide(flat, rows.shape[0], out=flat)
 
 
 def kind_name(code: int) -> str:
@@ -24,9 +95,16 @@ def kind_name(code: int) -> str:
     return KINDS[code] if 0 <= code < len(KINDS) else f"an unknown collective (code {code})"
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_code(dtype: np.dtype) -> int:
     """An int64 that differs between dtypes (byte order, kind, item size)."""
     return int.from_bytes(dtype.str.encode()[:6].ljust(6, b"\0"), "little") ^ (dtype.itemsize << 48)
+
+
+def same(everyone: np.ndarray) -> bool:
+    """True when every row of a gathered descriptor table (any dtype, one row per rank) is rank 0's."""
+    first = everyone[0].tobytes()
+    return all(row.tobytes() == first for row in everyone[1:])
 
 
 def check(everyone: np.ndarray, what: str) -> None:

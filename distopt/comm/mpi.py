@@ -6,7 +6,9 @@ tested against a deadline, so a rank that never arrives turns into a
 data moves, the ranks exchange a 4-integer descriptor (collective kind,
 sequence number, element count, dtype/op code) with one tiny ``Iallgather``;
 a difference raises :class:`~distopt.errors.CollectiveMismatchError` on every
-rank instead of a partial or garbled result. On a
+rank instead of a partial or garbled result. Small calls (up to 512 bytes per
+rank) carry their data in that same exchange (see
+:mod:`~distopt.comm.descriptor`): one collective per call. On a
 timeout, the error names the ranks that did not arrive and the collective
 each one is in, read from a small RMA window where every rank posts its
 collective sequence number (passive one-sided ``Rget``, itself bounded).
@@ -168,6 +170,9 @@ class MPICommunicator(CommunicatorState):
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._where = np.frombuffer(self._win.tomemory(), dtype=np.int64)
         self._where[:] = (0, -1)
+        self._inline = descriptor.inline_bytes(self.size)
+        self._block = np.zeros(descriptor.block_bytes(self.size), dtype=np.uint8)
+        self._table = np.empty((self.size, self._block.size), dtype=np.uint8)
         close_at_exit(self)
 
     @property
@@ -209,19 +214,32 @@ class MPICommunicator(CommunicatorState):
             return "every rank reached it; the collective itself stalled"
         return "ranks that did not arrive: " + ", ".join(behind)
 
-    def _agree(self, kind: str, count: int, code: int) -> str:
-        """Exchange (kind, seq, count, code); raise on every rank if ranks differ."""
+    def _agree(self, kind: str, count: int, code: int, payload: np.ndarray | None = None
+               ) -> tuple[str, np.ndarray]:
+        """Exchange (kind, seq, count, code) and ``payload`` (at most ``self._inline`` bytes) in one
+        fixed-size control block; raise on every rank if ranks differ.
+
+        Returns:
+            The call's name for messages, and every rank's inline bytes
+            (uint8, shape ``(size, inline)``; row r is rank r's).
+        """
         if self._broken is not None:
             raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
         self._seq += 1
         self._where[:] = (self._seq, _KINDS.index(kind))
         self._win.Sync()
         what = f"{kind} #{self._seq}"
-        mine = np.array([_KINDS.index(kind), self._seq, count, code], dtype=np.int64)
-        everyone = np.empty((self.size, 4), dtype=np.int64)
-        self._wait(self._comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T]), what)
-        descriptor.check(everyone, what)
-        return what
+        descriptor.encode(self._block, _KINDS.index(kind), self._seq, count, code, payload)
+        everyone = self._table  # read by the caller before the next call
+        self._wait(self._comm.Iallgather([self._block, MPI.BYTE], [everyone, MPI.BYTE]), what)
+        head = everyone[:, :descriptor.HEAD_BYTES]
+        if not descriptor.same(head):
+            descriptor.check(np.ascontiguousarray(head).view(np.int64), what)
+        return what, everyone[:, descriptor.HEAD_BYTES:]
+
+    def _rows(self, inline: np.ndarray, like: np.ndarray) -> np.ndarray:
+        """Every rank's inline copy of an array like ``like``: shape ``(size, like.size)``."""
+        return inline[:, :like.nbytes].copy().view(like.dtype)  # a copy: the table is reused by the next call
 
     def _buffer(self, array: Any) -> tuple[Any, Any]:
         if not isinstance(array, np.ndarray):
@@ -250,7 +268,12 @@ class MPICommunicator(CommunicatorState):
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
         mpi_op = _reduce_op(array.dtype, mpi_type, op)
-        what = self._agree("all_reduce", array.size, _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op))
+        code = _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
+        if array.nbytes <= self._inline:
+            _, inline = self._agree("all_reduce", array.size, code, array)
+            descriptor.reduce_rows(self._rows(inline, array), op, array)
+            return array
+        what, _ = self._agree("all_reduce", array.size, code)
         if array.size and self.size > 1:
             self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op), what)
         if op == "avg":
@@ -288,7 +311,12 @@ class MPICommunicator(CommunicatorState):
         if not 0 <= root < self.size:
             raise ValueError(f"root must be in [0, {self.size}), got {root}")
         buf, mpi_type = self._buffer(array)
-        what = self._agree("broadcast", array.size, _dtype_code(array.dtype) * 64 + root)
+        code = _dtype_code(array.dtype) * 64 + root
+        if array.nbytes <= self._inline:
+            _, inline = self._agree("broadcast", array.size, code, array if self.rank == root else None)
+            array.reshape(-1)[...] = self._rows(inline, array)[root]
+            return array
+        what, _ = self._agree("broadcast", array.size, code)
         if array.size and self.size > 1:
             self._wait(self._comm.Ibcast([buf, mpi_type], root=root), what)
         return array
@@ -299,7 +327,11 @@ class MPICommunicator(CommunicatorState):
         """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
         buf, mpi_type = self._buffer(array)
         out = np.empty((self.size, *array.shape), dtype=array.dtype)
-        what = self._agree("all_gather", array.size, _dtype_code(array.dtype))
+        if array.nbytes <= self._inline:
+            _, inline = self._agree("all_gather", array.size, _dtype_code(array.dtype), array)
+            out.reshape(self.size, -1)[...] = self._rows(inline, array)
+            return out
+        what, _ = self._agree("all_gather", array.size, _dtype_code(array.dtype))
         if array.size:
             self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
         return out
@@ -311,10 +343,15 @@ class MPICommunicator(CommunicatorState):
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
         buf, mpi_type = self._buffer(array)
-        what = self._agree("all_gather_v", 0, _dtype_code(array.dtype))
-        counts = np.empty(self.size, dtype=np.int64)
-        self._wait(self._comm.Iallgather([np.array([array.size], dtype=np.int64), MPI.INT64_T],
-                                         [counts, MPI.INT64_T]), what)
+        # the block carries this rank's length, then its data if it fits (and every rank's fits)
+        fits = array.nbytes + 8 <= self._inline
+        mine = np.concatenate([np.array([array.size], dtype=np.int64).view(np.uint8),
+                               array.view(np.uint8) if fits else np.zeros(0, np.uint8)])
+        what, inline = self._agree("all_gather_v", 0, _dtype_code(array.dtype), mine)
+        counts = np.ascontiguousarray(inline[:, :8]).view(np.int64).reshape(-1)
+        if (counts * array.itemsize + 8 <= self._inline).all():
+            return [inline[r, 8:8 + int(c) * array.itemsize].copy().view(array.dtype)  # copies: the table is reused
+                    for r, c in enumerate(counts)]
         out = np.empty(int(counts.sum()), dtype=array.dtype)
         if out.size:
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -325,8 +362,7 @@ class MPICommunicator(CommunicatorState):
     @collective
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
-        what = self._agree("barrier", 0, 0)
-        self._wait(self._comm.Ibarrier(), what)
+        self._agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
 
     def close(self) -> None:
         """Free the side-channel window and the duplicated communicator; idempotent.

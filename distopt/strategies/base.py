@@ -26,8 +26,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
+from ..buckets import DEFAULT_THRESHOLD, Bucket
+
 if TYPE_CHECKING:
-    from ..buckets import Bucket
     from ..comm.base import Communicator
     from ..counters import Counters
     from ..local import LocalOptimizer
@@ -117,6 +118,10 @@ class Strategy(ABC):
             after the local update instead (:class:`~distopt.strategies.Partial`).
         per_rank_state: the state differs per rank (error-feedback
             residuals): checkpoints store it once per rank.
+        default_threshold: the fusion threshold in ELEMENTS of a step
+            called without one (SINGA's 2097152; 65536 for strategies whose
+            result does not depend on the bucket layout, so large
+            gradients are reduced in place instead of copied).
     """
 
     name: ClassVar[str]
@@ -124,6 +129,7 @@ class Strategy(ABC):
     supports_join: ClassVar[bool] = False
     reduces_gradients: ClassVar[bool] = True
     per_rank_state: ClassVar[bool] = False
+    default_threshold: ClassVar[int] = DEFAULT_THRESHOLD
 
     def settings(self) -> dict[str, Any]:
         """The settings every rank must agree on (JSON-able; ``strategy`` is added by the engine)."""

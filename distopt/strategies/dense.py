@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ..buckets import VIEW_THRESHOLD
 from .base import BucketContext, Done, Strategy
 
 __all__ = ["Dense"]
@@ -23,6 +24,7 @@ class Dense(Strategy):
     name: ClassVar[str] = "plain"
     supports_overlap: ClassVar[bool] = True
     supports_join: ClassVar[bool] = True
+    default_threshold: ClassVar[int] = VIEW_THRESHOLD
 
     def start(self, ctx: BucketContext, flat: Any) -> Any:
         return ctx.launch(flat, "sum")

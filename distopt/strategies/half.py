@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ..compress import WIRE_DTYPES, from_wire, half_scales, to_wire
+from ..buckets import VIEW_THRESHOLD
 from .base import BucketContext, Done, Strategy
 
 __all__ = ["Half"]
@@ -43,6 +44,7 @@ class Half(Strategy):
     name: ClassVar[str] = "half"
     supports_overlap: ClassVar[bool] = True
     supports_join: ClassVar[bool] = True
+    default_threshold: ClassVar[int] = VIEW_THRESHOLD
 
     def __init__(self, wire: str = "float16", predivide: float | None = None, clip: float | None = None) -> None:
         if wire not in WIRE_DTYPES:

@@ -96,6 +96,30 @@ def check_all_gather_v(comm) -> None:
             assert part.dtype == np.float32
 
 
+def check_half_sums(comm) -> None:
+    """16-bit float sums and averages of sizes that do not split evenly across ranks (exact values)."""
+    dtypes = [np.float16]
+    try:
+        import ml_dtypes
+        dtypes.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    for dtype in dtypes:
+        for n in (3, 1001, 70001):
+            pattern = (np.arange(n) % 8).astype(np.float32)
+            a = (pattern * (comm.rank + 1)).astype(dtype)
+            try:
+                comm.all_reduce(a, op="sum")
+            except TypeError as exc:  # a backend without bfloat16 must say so clearly
+                assert dtype is not np.float16 and "bfloat16" in str(exc), exc
+                break
+            np.testing.assert_array_equal(a.astype(np.float32), pattern * _tri(comm.size))
+            b = (pattern * 2 * comm.size).astype(dtype)
+            comm.all_reduce(b, op="avg")
+            np.testing.assert_array_equal(b.astype(np.float32), pattern * 2 * comm.size)
+            assert a.dtype == dtype and b.dtype == dtype
+
+
 def check_results_survive_the_next_call(comm) -> None:
     """Small calls may travel inline in a reused control block: their results must be copies."""
     gathered = comm.all_gather(np.array([comm.rank, 7], dtype=np.int64))
@@ -141,6 +165,7 @@ CHECKS = [
     check_all_gather,
     check_all_gather_v,
     check_results_survive_the_next_call,
+    check_half_sums,
     check_barrier,
     check_mismatch_h03,
 ]

@@ -439,3 +439,25 @@ def test_fast_casts_are_bitwise_numpy_casts(monkeypatch, wire, scale):
         results.append((w.view(np.uint16).copy(), from_wire(w, np.float32, 1 / scale)))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 4])
+def test_fast_sum_of_16_bit_rows_is_the_float32_sum_rounded_once(monkeypatch, wire, n_rows):
+    """The MPI backend's 16-bit sum (PyTorch kernels) == NumPy: rows added in float32, rounded once."""
+    pytest.importorskip("torch")
+    from distopt import _fastcast
+
+    dtype = np.dtype(np.float16) if wire == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    rng = np.random.default_rng(7)
+    rows = np.stack([np.concatenate([rng.standard_normal(70_000).astype(np.float32) * s for s in (1e-6, 1.0, 2e4)]
+                                    + [np.array([np.inf, -0.0, 65504, 6e-8], np.float32)]).astype(dtype)
+                     for _ in range(n_rows)])
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(_fastcast, "HAVE_TORCH", fast)
+        results.append(_fastcast.sum_rows(rows, np.empty(rows.shape[1], dtype)).view(np.uint16).copy())
+    np.testing.assert_array_equal(results[0], results[1])
+    if n_rows == 2:  # one rounding: a float16 pair summed exactly in float32
+        want = (rows[0].astype(np.float32) + rows[1].astype(np.float32)).astype(dtype)
+        np.testing.assert_array_equal(results[0], want.view(np.uint16))

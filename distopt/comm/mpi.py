@@ -14,9 +14,9 @@ each one is in, read from a small RMA window where every rank posts its
 collective sequence number (passive one-sided ``Rget``, itself bounded).
 
 float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
-(``MPI.UINT16_T``, 2 bytes per element on the wire) and are reduced by a
-user-defined MPI operation that sums in float32 and rounds back once per
-pairwise combination.
+(``MPI.UINT16_T``, 2 bytes per element on the wire) and are summed by a
+reduce-scatter, a float32 sum rounded once, and an all-gather
+(:mod:`~distopt.comm.mpi_half`).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from . import descriptor
 from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
 from .base import REDUCE_OPS, check_reduce_args
 from .staging import staged, staged_async
+from .mpi_half import HalfSum, half_dtypes, half_op
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
 from .wait import Backoff, resolve_timeout, wait_until
 
@@ -66,46 +67,12 @@ BUSY_POLL = 0.02
 _BACKOFF = Backoff(busy_s=BUSY_POLL, yield_s=BUSY_POLL, min_sleep_s=1e-5, max_sleep_s=2e-4)
 
 
-def _half_dtypes() -> list[np.dtype]:
-    out = [np.dtype(np.float16)]
-    try:
-        import ml_dtypes
-    except ImportError:
-        return out
-    return out + [np.dtype(ml_dtypes.bfloat16)]
-
-
-def _make_half_op(dtype: np.dtype, ufunc: Callable) -> Any:
-    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
-        a = np.frombuffer(inbuf, dtype=dtype)
-        b = np.frombuffer(inoutbuf, dtype=dtype)
-        # accumulate in float32: float16 + float16 rounds once, not twice. The casts run through
-        # PyTorch's vectorised kernels when it is installed (bitwise NumPy's, about 40x faster).
-        wide = cast_into(b, np.empty(b.shape, np.float32))
-        ufunc(wide, cast_into(a, np.empty(a.shape, np.float32)), out=wide)
-        cast_into(wide, b)
-
-    return MPI.Op.Create(combine, commute=True)
-
-
-_HALF_OPS: dict[tuple[np.dtype, str], Any] = {}
-
-
-def _half_op(dtype: np.dtype, op: str) -> Any:
-    """The user-defined op for a 16-bit float dtype, created once per process (MPI limits their number)."""
-    key = (dtype, op)
-    if key not in _HALF_OPS:
-        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
-        _HALF_OPS[key] = _make_half_op(dtype, ufunc)
-    return _HALF_OPS[key]
-
-
 def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
     """The MPI operation for ``op`` on ``dtype`` (logical for bool, user-defined for 16-bit floats)."""
     if dtype == np.bool_:
         return _BOOL_OPS[op]
     if mpi_type is MPI.UINT16_T and dtype != np.uint16:
-        return _half_op(dtype, op)
+        return half_op(dtype, op)
     return _NATIVE_OPS[op]
 
 
@@ -252,7 +219,7 @@ class MPICommunicator(CommunicatorState):
         dt = array.dtype
         if dt in _MPI_TYPES:
             return array, _MPI_TYPES[dt]
-        if dt.itemsize == 2 and dt in _half_dtypes():
+        if dt.itemsize == 2 and dt in half_dtypes():
             return array.view(np.uint16), MPI.UINT16_T
         raise TypeError(f"dtype {dt} is not supported by the MPI backend")
 
@@ -263,11 +230,10 @@ class MPICommunicator(CommunicatorState):
         """Reduce ``array`` in place across ranks; see :class:`Communicator`.
 
         Wire: ``array.nbytes`` per rank per direction of the MPI algorithm;
-        float16/bfloat16 travel as 2-byte words, summed in float32 pairwise.
+        float16/bfloat16 travel as 2-byte words (:class:`~distopt.comm.mpi_half.HalfSum`).
         """
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
-        mpi_op = _reduce_op(array.dtype, mpi_type, op)
         code = _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
         if array.nbytes <= self._inline:
             _, inline = self._agree("all_reduce", array.size, code, array)
@@ -275,7 +241,7 @@ class MPICommunicator(CommunicatorState):
             return array
         what, _ = self._agree("all_reduce", array.size, code)
         if array.size and self.size > 1:
-            self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op), what)
+            self._wait(self._start(array, buf, mpi_type, op), what)
         if op == "avg":
             np.divide(array, self.size, out=array)
         return array
@@ -298,11 +264,14 @@ class MPICommunicator(CommunicatorState):
         """
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
-        mpi_op = _reduce_op(array.dtype, mpi_type, op)
-        request = None
-        if array.size and self.size > 1:
-            request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
+        request = self._start(array, buf, mpi_type, op) if array.size and self.size > 1 else None
         return MpiHandle(self, request, array, op)
+
+    def _start(self, array: np.ndarray, buf: np.ndarray, mpi_type: Any, op: str) -> Any:
+        """Start the in-place reduction of ``array``; a request (``Test()``)."""
+        if mpi_type is MPI.UINT16_T and array.dtype != np.uint16 and op in ("sum", "avg"):
+            return HalfSum(self._comm, array)
+        return self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], _reduce_op(array.dtype, mpi_type, op))
 
     @staged
     @collective

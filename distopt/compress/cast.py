@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._fastcast import cast_into
+from .._fastcast import cast_into, scale_into
 from ._xp import is_cupy, xp
 
 WIRE_DTYPES = ("float16", "bfloat16")
@@ -41,29 +41,34 @@ def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
     """
     wire = _wire_dtype(wire_dtype, x)
     if isinstance(x, np.ndarray) and x.dtype == np.float32:  # fast kernels where PyTorch is installed
-        if scale != 1:  # the product rounded to float32, then to the wire dtype
-            x = np.multiply(x, x.dtype.type(scale))
-        return cast_into(np.ascontiguousarray(x), np.empty(x.shape, dtype=wire))
+        out = np.empty(x.shape, dtype=wire)  # the product rounded to float32, then to the wire dtype
+        return scale_into(np.ascontiguousarray(x), scale, out) if scale != 1 else cast_into(np.ascontiguousarray(x), out)
     if scale != 1:
         x = x * x.dtype.type(scale)
     return x.astype(wire)
 
 
-def from_wire(w: Any, dtype: Any, scale: float = 1.0) -> Any:
+def from_wire(w: Any, dtype: Any, scale: float = 1.0, out: Any = None) -> Any:
     """``w`` cast to ``dtype``, then multiplied by ``scale`` (in ``dtype``).
 
     Args:
         w: Array in a wire dtype (NumPy or CuPy), e.g. the reduced sum.
         dtype: Result dtype, e.g. ``"float32"``.
         scale: Factor applied after the cast, e.g. ``post`` of :func:`half_scales`.
+        out: the result array (``w``'s size and device, ``dtype``), e.g. the
+            gradient bucket itself: no new array, no copy; None allocates.
 
     Returns:
-        Array of the shape of ``w`` in ``dtype``, on the device of ``w``.
+        Array of the shape of ``w`` (``out``'s shape if given) in ``dtype``,
+        on the device of ``w``.
     """
-    if isinstance(w, np.ndarray) and np.dtype(dtype) == np.float32:  # fast kernels where PyTorch is installed
-        out = cast_into(np.ascontiguousarray(w), np.empty(w.shape, dtype=np.float32))
-    else:
+    if isinstance(w, np.ndarray) and np.dtype(dtype) == np.float32 and (out is None or out.flags.c_contiguous):
+        target = np.empty(w.shape, dtype=np.float32) if out is None else out
+        out = cast_into(np.ascontiguousarray(w).reshape(target.shape), target)  # PyTorch's kernels if installed
+    elif out is None:
         out = w.astype(dtype)
+    else:
+        out[...] = w.reshape(out.shape)
     if scale != 1:
         out *= out.dtype.type(scale)
     return out

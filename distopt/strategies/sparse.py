@@ -87,33 +87,32 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
         dense bucket on fallback, plus an 8-byte count for threshold mode).
     """
     n = flat.size
+    # the accumulated gradient lives in the residual itself (no copy back): after the selection, its
+    # sent entries are zeroed and what is left is the next step's residual (error feedback)
+    acc = flat if residual is None else residual
     if residual is not None:
-        flat += residual
+        residual += flat
     pair_bytes = np.dtype(np.int64 if n >= 2**31 else np.int32).itemsize + flat.dtype.itemsize
     sent_bytes = 0
     if topK:
-        idx = topk_indices(flat, k_for(n, spars))
+        idx = topk_indices(acc, k_for(n, spars))
         total = idx.size * comm.size
     else:
-        idx = threshold_indices(flat, spars)
+        idx = threshold_indices(acc, spars)
         counts = comm.all_gather(np.array([idx.size], dtype=np.int64)).reshape(-1)
         sent_bytes += 8
         total = int(counts.sum())
     counters.sparse_entries += int(idx.size)
+    values = acc[idx]
+    if residual is not None:
+        residual[idx] = 0
     if total * pair_bytes >= n * flat.dtype.itemsize:
         # same selection and residual as the sparse path; only the transport is dense
         counters.sparse_dense_fallbacks += 1
-        sent = flat * 0
-        sent[idx] = flat[idx]
-        if residual is not None:
-            residual[...] = flat - sent
-        flat[...] = sent
+        np.multiply(acc, 0, out=flat)  # zeros (NaN where the gradient is not finite, as a product keeps it)
+        flat[idx] = values
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)
-    values = flat[idx]
-    if residual is not None:
-        residual[...] = flat
-        residual[idx] = 0
     if topK:
         all_idx = comm.all_gather(idx).reshape(-1)
         all_val = comm.all_gather(values).reshape(-1)

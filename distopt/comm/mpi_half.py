@@ -1,0 +1,104 @@
+"""float16 and bfloat16 reductions on MPI, which has no datatype for them.
+
+The words travel as ``MPI.UINT16_T`` (2 bytes per element). A sum (or
+average) is done as a reduce-scatter and an all-gather, the algorithm MPI
+libraries use for large all-reduces (Rabenseifner; Thakur, Rabenseifner &
+Gropp 2005), with the reduction done by distopt between the two: an
+``Ialltoallv`` hands rank r every rank's copy of chunk r, rank r adds them
+in float32 and rounds once (:func:`distopt._fastcast.sum_rows`, PyTorch's
+kernels where installed), and an in-place
+``Iallgatherv`` spreads the reduced chunks. Every rank ends with the same
+bits; the wire carries the same bytes as a ring all-reduce of 16-bit words.
+Max and min use a user-defined MPI operation instead (rare for gradients).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .._fastcast import cast_into, sum_rows
+
+__all__ = ["half_dtypes", "half_op", "HalfSum"]
+
+
+def half_dtypes() -> list[np.dtype]:
+    """The 16-bit float dtypes this process can reduce (bfloat16 needs ml_dtypes)."""
+    out = [np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+    except ImportError:
+        return out
+    return out + [np.dtype(ml_dtypes.bfloat16)]
+
+
+def _make_op(dtype: np.dtype, ufunc: Callable) -> Any:
+    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
+        a = np.frombuffer(inbuf, dtype=dtype)
+        b = np.frombuffer(inoutbuf, dtype=dtype)
+        wide = cast_into(b, np.empty(b.shape, np.float32))
+        ufunc(wide, cast_into(a, np.empty(a.shape, np.float32)), out=wide)
+        cast_into(wide, b)
+
+    return MPI.Op.Create(combine, commute=True)
+
+
+_OPS: dict[tuple[np.dtype, str], Any] = {}
+
+
+def half_op(dtype: np.dtype, op: str) -> Any:
+    """A user-defined MPI op for a 16-bit float dtype (float32 inside, rounded once per combination),
+    created once per process (MPI limits their number). ``op``: ``"max"`` or ``"min"`` (or, for a
+    one-shot blocking call, ``"sum"``/``"avg"``)."""
+    key = (dtype, op)
+    if key not in _OPS:
+        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+        _OPS[key] = _make_op(dtype, ufunc)
+    return _OPS[key]
+
+
+class HalfSum:
+    """An in-place sum of a 16-bit float array across ``comm``, in flight (see the module docs).
+
+    Duck-types an MPI request: :meth:`Test` drives it and is True once
+    ``array`` holds the sum.
+
+    Args:
+        comm: the ``mpi4py.MPI.Comm`` (every rank starts the same sums in
+            the same order).
+        array: C-contiguous float16 or bfloat16 NumPy array, any shape.
+    """
+
+    def __init__(self, comm: Any, array: np.ndarray) -> None:
+        size, rank = comm.Get_size(), comm.Get_rank()
+        base, extra = divmod(array.size, size)
+        self._counts = [base + (r < extra) for r in range(size)]
+        self._displs = [base * r + min(r, extra) for r in range(size)]
+        mine = self._counts[rank]
+        self._comm, self._dtype = comm, array.dtype
+        self._words = array.reshape(-1).view(np.uint16)
+        self._chunk = self._words[self._displs[rank]:self._displs[rank] + mine]
+        self._recv = np.empty((size, mine), dtype=np.uint16)  # every rank's copy of my chunk
+        self._request = comm.Ialltoallv([self._words, (self._counts, self._displs), MPI.UINT16_T],
+                                        [self._recv, ([mine] * size, [mine * r for r in range(size)]),
+                                         MPI.UINT16_T])
+        self._gathering = False
+
+    def Test(self) -> bool:  # noqa: N802 (an MPI request's name)
+        """Progress the sum; True once it is complete on this rank."""
+        if self._request is None:
+            return True
+        if not self._request.Test():
+            return False
+        if self._gathering:
+            self._request = None
+            return True
+        self._reduce_chunk()
+        self._request = self._comm.Iallgatherv(MPI.IN_PLACE, [self._words, (self._counts, self._displs),
+                                                              MPI.UINT16_T])
+        self._gathering = True
+        return self.Test()
+
+    def _reduce_chunk(self) -> None:
+        sum_rows(self._recv.view(self._dtype), self._chunk.view(self._dtype))

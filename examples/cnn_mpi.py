@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sparseTopK: fraction of elements sent (default 0.01); "
                         "sparseThreshold: magnitude threshold (default 0.01)")
     p.add_argument("--threshold", type=int, default=None,
-                   help="elements: larger parameters are reduced alone (default 2097152); for partialUpdate "
+                   help="elements: larger parameters are reduced alone (default: the strategy's, 65536 for "
+                        "plain/half, 2097152 for sparse); for partialUpdate "
                         "the chunk size (default 10000: this CNN's 431080 parameters make 3 chunks)")
     p.add_argument("--dgc-sparsity", type=float, default=0.999,
                    help="dgc: fraction of the gradient not sent after warm-up (default 0.999)")
@@ -115,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="powerSGD: compress a tensor only when its factors are this many times smaller (default 2)")
     args = p.parse_args(argv)
     if args.threshold is None:
-        args.threshold = 10000 if args.dist_option == "partialUpdate" else 2097152
+        args.threshold = 10000 if args.dist_option == "partialUpdate" else None
     if args.spars is None:
         args.spars = 0.01
     return args

@@ -52,12 +52,18 @@ def block_bytes(size: int) -> int:
     return HEAD_BYTES + inline_bytes(size)
 
 
-def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payload: np.ndarray | None) -> None:
-    """Write a descriptor and an optional inline ``payload`` (any dtype, at most
-    :func:`inline_bytes` bytes) into ``block`` (uint8, :func:`block_bytes` long)."""
-    block[:HEAD_BYTES].view(np.int64)[:] = (kind, seq, count, code)
+def encode(head: np.ndarray, data: np.ndarray, kind: int, seq: int, count: int, code: int,
+           payload: np.ndarray | None) -> None:
+    """Write a descriptor into ``head`` (int64, the block's first 4 words) and an optional inline
+    ``payload`` (C-contiguous, any dtype, at most :func:`inline_bytes` bytes) into ``data`` (uint8,
+    the rest of the block)."""
+    head[0], head[1], head[2], head[3] = kind, seq, count, code
     if payload is not None and payload.nbytes:
-        block[HEAD_BYTES:HEAD_BYTES + payload.nbytes] = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+        data[:payload.nbytes] = payload.reshape(-1).view(np.uint8)
+
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+_BOOL_UFUNCS = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and}
 
 
 def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray) -> None:
@@ -74,18 +80,20 @@ def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray) -> None:
         out: the result (the caller's array), written in place.
     """
     flat = out.reshape(-1)
-    if out.dtype == np.bool_:
-        ufunc = np.logical_and if op == "min" else np.logical_or
+    dtype = out.dtype
+    if dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16"):
+        acc = rows[0].astype(np.float32)
+        for row in rows[1:]:
+            _UFUNCS[op](acc, row, out=acc)
+        flat[...] = acc.astype(dtype)
     else:
-        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
-    half = out.dtype.itemsize == 2 and (out.dtype.kind == "f" or str(out.dtype) == "bfloat16")
-    acc = rows[0].astype(np.float32) if half else flat
-    if not half:
-        np.copyto(flat, rows[0])
-    for row in rows[1:]:  # rank order: the same bits on every rank
-        ufunc(acc, row, out=acc)
-    if half:
-        flat[...] = acc.astype(out.dtype)
+        ufunc = _BOOL_UFUNCS[op] if dtype == np.bool_ else _UFUNCS[op]
+        if rows.shape[0] == 1:
+            flat[...] = rows[0]
+        else:  # rank order: the same bits on every rank
+            ufunc(rows[0], rows[1], out=flat)
+            for row in rows[2:]:
+                ufunc(flat, row, out=flat)
     if op == "avg":
         np.divide(flat, rows.shape[0], out=flat)
 
@@ -102,9 +110,9 @@ def dtype_code(dtype: np.dtype) -> int:
 
 
 def same(everyone: np.ndarray) -> bool:
-    """True when every row of a gathered descriptor table (any dtype, one row per rank) is rank 0's."""
-    first = everyone[0].tobytes()
-    return all(row.tobytes() == first for row in everyone[1:])
+    """True when every row of a gathered descriptor table (int64, shape ``(size, 4)``) is rank 0's."""
+    rows = everyone.tolist()
+    return rows.count(rows[0]) == len(rows)
 
 
 def check(everyone: np.ndarray, what: str) -> None:

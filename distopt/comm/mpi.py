@@ -139,7 +139,9 @@ class MPICommunicator(CommunicatorState):
         self._where[:] = (0, -1)
         self._inline = descriptor.inline_bytes(self.size)
         self._block = np.zeros(descriptor.block_bytes(self.size), dtype=np.uint8)
+        self._head, self._data = self._block[:descriptor.HEAD_BYTES].view(np.int64), self._block[descriptor.HEAD_BYTES:]
         self._table = np.empty((self.size, self._block.size), dtype=np.uint8)
+        self._heads = self._table.view(np.int64)[:, :4]  # every rank's descriptor, after an exchange
         close_at_exit(self)
 
     @property
@@ -196,12 +198,11 @@ class MPICommunicator(CommunicatorState):
         self._where[:] = (self._seq, _KINDS.index(kind))
         self._win.Sync()
         what = f"{kind} #{self._seq}"
-        descriptor.encode(self._block, _KINDS.index(kind), self._seq, count, code, payload)
+        descriptor.encode(self._head, self._data, _KINDS.index(kind), self._seq, count, code, payload)
         everyone = self._table  # read by the caller before the next call
         self._wait(self._comm.Iallgather([self._block, MPI.BYTE], [everyone, MPI.BYTE]), what)
-        head = everyone[:, :descriptor.HEAD_BYTES]
-        if not descriptor.same(head):
-            descriptor.check(np.ascontiguousarray(head).view(np.int64), what)
+        if not descriptor.same(self._heads):
+            descriptor.check(self._heads.copy(), what)
         return what, everyone[:, descriptor.HEAD_BYTES:]
 
     def _rows(self, inline: np.ndarray, like: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ Max and min use a user-defined MPI operation instead (rare for gradients).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -23,14 +24,14 @@ from .._fastcast import cast_into, sum_rows
 __all__ = ["half_dtypes", "half_op", "HalfSum"]
 
 
-def half_dtypes() -> list[np.dtype]:
-    """The 16-bit float dtypes this process can reduce (bfloat16 needs ml_dtypes)."""
-    out = [np.dtype(np.float16)]
+@functools.lru_cache(maxsize=1)
+def half_dtypes() -> tuple[np.dtype, ...]:
+    """The 16-bit float dtypes this process can reduce (bfloat16 needs ml_dtypes); looked up once."""
     try:
         import ml_dtypes
     except ImportError:
-        return out
-    return out + [np.dtype(ml_dtypes.bfloat16)]
+        return (np.dtype(np.float16),)
+    return (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def _make_op(dtype: np.dtype, ufunc: Callable) -> Any:

@@ -52,7 +52,9 @@ DistOpt (MPI backend, default threshold and buffer size):
 
 ``wire MB`` and ``dense MB`` are this rank's bytes handed to the collectives
 per step and what a dense all-reduce of the same gradients would hand over
-(deltas of ``opt.stats``). ``extra MB`` is the memory a DistOpt variant
+(deltas of ``opt.stats``); ``ctl/step`` counts the engine's own small
+collectives per step (``stats.control_collectives``: the step header, plus
+the gradient flags when the header could not settle the step). ``extra MB`` is the memory a DistOpt variant
 still holds after its warm-up steps (fusion buffers, residuals, wire
 buffers), traced by ``tracemalloc`` (NumPy reports its allocations there),
 and ``extra/grad`` that over the gradients' bytes.
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             rec["wire_MB"] = d.get("wire_bytes", 0) / steps / 1e6
             rec["dense_MB"] = d.get("dense_bytes", 0) / steps / 1e6
             rec["wire_ratio"] = d.get("wire_bytes", 0) / max(d.get("dense_bytes", 0), 1)
+            rec["control_per_step"] = d.get("control_collectives", 0) / steps
             if d.get("sparse_entries", 0):
                 rec["density"] = d["sparse_entries"] / steps / total
                 rec["dense_fallbacks_per_step"] = d.get("sparse_dense_fallbacks", 0) / steps
@@ -337,13 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         rec["x_raw"] = rec["time_ms"] / ref if ref else None
         rec["x_ddp"] = rec["time_ms"] / ddp if ddp else None
     headers = ["variant", "time ms", "min ms", "x raw", "x ddp", "wire MB", "dense MB", "wire/dense", "density",
-               "extra MB", "extra/grad"]
+               "extra MB", "extra/grad", "ctl/step"]
     rows = [[r["label"], f"{r['time_ms']:.1f}", f"{r['min_ms']:.1f}",
              f"{r['x_raw']:.2f}" if r["x_raw"] else None, f"{r['x_ddp']:.2f}" if r["x_ddp"] else None,
              f"{r['wire_MB']:.2f}", f"{r['dense_MB']:.2f}", f"{r['wire_ratio']:.4f}",
              f"{r['density']:.4f}" if "density" in r else None,
              f"{r['extra_MB']:.1f}" if "extra_MB" in r else None,
-             f"{r['extra_per_grad']:.2f}" if "extra_per_grad" in r else None] for r in results.values()]
+             f"{r['extra_per_grad']:.2f}" if "extra_per_grad" in r else None,
+             f"{r['control_per_step']:.1f}" if "control_per_step" in r else None] for r in results.values()]
     model = "ResNet-50" if args.width_div == 1 else f"ResNet-50 / {args.width_div} widths"
     title = (f"{model} gradients ({len(shapes)} float32 tensors, {total:,} elements), "
              f"{n} processes, {_common.cpus()} CPUs; {args.warmup} warm-up + {args.iters} timed iterations; "
@@ -423,7 +427,9 @@ def _targets(results: dict[str, dict[str, Any]], fastest: float | None) -> dict[
             "half fp16 / dense step": (ratio("half", dense), 1.25),
             "half bf16 / dense step": (ratio("half_bf16", dense), 1.0),
             "top-K 1% / dense step": (ratio("topk1", dense), 1.0),
-            "top-K 0.1% / dense step": (ratio("topk01", dense), 0.8)}
+            "top-K 0.1% / dense step": (ratio("topk01", dense), 0.8),
+            "control collectives per dense step": (results.get("step_noop", {}).get("control_per_step"), 1.0),
+            "dense extra memory / gradient bytes": (results.get("step_noop", {}).get("extra_per_grad"), 1.0)}
 
 
 def ddp_bucketed(torch: Any, dist: Any, grads: list[np.ndarray], bucket_mib: float, world_size: int

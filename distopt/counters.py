@@ -30,6 +30,9 @@ class Counters(Mapping):
             blocking calls and waits (data movement included).
         host_syncs: times the host waited on the device (NCCL without a
             host control communicator; 0 on CPU backends).
+        control_collectives: the engine's own small collectives (the step
+            header; the gradient flags when the header could not settle a
+            step; the ``check_finite`` vote), not the buckets' reductions.
     """
 
     steps: int = 0
@@ -41,6 +44,7 @@ class Counters(Mapping):
     skipped_steps: int = 0
     wait_seconds: float = 0.0
     host_syncs: int = 0
+    control_collectives: int = 0
 
     def __getitem__(self, name: str) -> float:
         if name not in self._names():

@@ -146,6 +146,7 @@ class Engine:
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
                            int(unsettled), int(not_finite)], dtype=np.int64)
         everyone = self.comm.all_gather(header)
+        self.counters.control_collectives += 1
         if (everyone[:, :2] != everyone[0, :2]).any():
             check_same(self.comm, params, full)
             raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
@@ -219,6 +220,7 @@ class Engine:
                            dtype=np.int32)
             with self.context("agreement on the reduced gradient being finite"):
                 self.comm.all_reduce(bad, op="max")
+            self.counters.control_collectives += 1
             if bad[0]:
                 outcome.skipped = True
                 self.counters.skipped_steps += 1
@@ -245,6 +247,7 @@ class Engine:
             flags[-1] = self._not_finite(grads)
         with self.context("agreement on gradients present"):
             self.comm.all_reduce(flags, op="sum")
+        self.counters.control_collectives += 1
         outcome = Outcome([bool(c) for c in flags[:-2]], int(flags[-2]), bool(flags[-1]))
         if outcome.skipped:
             self.counters.skipped_steps += 1

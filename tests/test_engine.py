@@ -416,19 +416,22 @@ def test_steady_state_step_after_backward_costs_one_control_collective(kind):
     def rank_fn(rank, comm):
         opt = _opt(comm, strategy=cls(**kwargs), buffSize=16)
         params = [np.zeros(20, np.float32), np.zeros(5, np.float32)]
-        per_step = []
+        per_step, counted = [], []
         for s in range(4):
             grads = _grads(s, rank, params)
             if s == 3 and rank == 1:
                 grads[1] = None
             before = len(comm.calls)
+            control = opt.stats.control_collectives
             call(opt, params, grads, 8)
             per_step.append(comm.calls[before:])
-        return per_step, [p.copy() for p in params]
+            counted.append(opt.stats.control_collectives - control)
+        return per_step, [p.copy() for p in params], counted
 
     results = run_world(2, rank_fn)
-    for per_step, _ in results:
+    for per_step, _, counted in results:
         assert [per_step[2].count(header), per_step[2].count(flags)] == [1, 0], per_step[2]
         assert [per_step[3].count(header), per_step[3].count(flags)] == [1, 1], per_step[3]
+        assert counted[2:] == [1, 2]  # DistOpt.stats counts them too
     if kind != "partial":  # partial averages one chunk per step: replicas differ between syncs by design
         assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))

@@ -1,0 +1,95 @@
+"""The performance targets vs what the benchmark scripts measured: one Markdown table.
+
+Reads the JSON that ``step.py``, ``allreduce.py`` and ``train.py`` wrote
+(default: ``benchmarks/results/{step,allreduce,train}.json``) and prints,
+per target, the goal, the measured figure and whether it is met, with the
+run it comes from (git commit, date). Nothing is measured here and no
+figure is typed in: a target whose run is missing reads "not measured".
+
+    python benchmarks/targets.py [--step S.json] [--allreduce A.json] [--train T.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _source(run: dict[str, Any] | None) -> str:
+    if run is None:
+        return "-"
+    env = run.get("env", {})
+    dirty = " (+changes)" if env.get("distopt_modified") else ""
+    return f"{run['benchmark']}.py, {env.get('git_commit', '?')}{dirty}, {env.get('date_utc', '?')}"
+
+
+def step_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """``(target, goal, measured, met)`` from step.py's ``targets`` (all "at most" goals)."""
+    names = ["step no-op / fastest raw", "step no-op / layout-avg (raw sums + the division)",
+             "step SGD / (fastest raw + update)", "half fp16 / dense step", "half bf16 / dense step",
+             "top-K 1% / dense step", "top-K 0.1% / dense step", "control collectives per dense step",
+             "dense extra memory / gradient bytes"]
+    targets = (run or {}).get("targets", {})
+    rows = []
+    for name in names:
+        t = targets.get(name, {})
+        value, goal = t.get("ratio"), t.get("target")
+        rows.append((name, f"<= {goal}" if goal is not None else "-", value,
+                     value is not None and goal is not None and value <= goal))
+    return rows
+
+
+def allreduce_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """Small all-reduce time vs raw mpi4py (worst size up to 8 KiB); shm busbw vs MPICH (worst size from 1 MiB)."""
+    small = shm = None
+    for r in (run or {}).get("results", []):
+        b = r["backends"]
+        if r["bytes"] <= 8192 and "distopt-mpi" in b and "mpi4py" in b:
+            ratio = b["distopt-mpi"]["time_us"] / b["mpi4py"]["time_us"]
+            small = ratio if small is None else max(small, ratio)
+        if r["bytes"] >= 1 << 20 and "distopt-shm" in b and "mpi4py" in b:
+            ratio = b["distopt-shm"]["busbw_GBps"] / b["mpi4py"]["busbw_GBps"]
+            shm = ratio if shm is None else min(shm, ratio)
+    return [("all_reduce <= 8 KiB: distopt-mpi time / raw mpi4py (worst size)", "<= 2.0", small,
+             small is not None and small <= 2.0),
+            ("shm busbw / MPICH busbw, 1-256 MiB (worst size)", ">= 1.5", shm, shm is not None and shm >= 1.5)]
+
+
+def train_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """The 2-process CNN epoch: plain's training time over DDP's, and the accuracy difference."""
+    plain = next((r for r in (run or {}).get("runs", []) if r["impl"] == "distopt" and r["strategy"] == "plain"
+                  and r["procs"] == 2), None)
+    ratio = plain.get("x_ddp_time") if plain else None
+    acc = plain.get("d_acc_pp") if plain else None
+    return [("CNN epoch, 2 processes: plain time / DDP gloo time", "<= 0.80", ratio, ratio is not None and ratio <= 0.8),
+            ("... eval accuracy, plain - DDP (points)", "same (|d| <= 0.5)", acc, acc is not None and abs(acc) <= 0.5)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--step", type=Path, default=RESULTS / "step.json")
+    p.add_argument("--allreduce", type=Path, default=RESULTS / "allreduce.json")
+    p.add_argument("--train", type=Path, default=RESULTS / "train.json")
+    args = p.parse_args(argv)
+    runs = {"step": _load(args.step), "allreduce": _load(args.allreduce), "train": _load(args.train)}
+    print("| target | goal | measured | met | run |")
+    print("|---|---|---:|---|---|")
+    for key, rows in (("step", step_rows(runs["step"])), ("allreduce", allreduce_rows(runs["allreduce"])),
+                      ("train", train_rows(runs["train"]))):
+        for name, goal, value, met in rows:
+            shown = "not measured" if value is None else f"{value:.2f}"
+            print(f"| {name} | {goal} | {shown} | {'yes' if met else 'no'} | {_source(runs[key])} |")
+    print("| zero host syncs per steady-state NCCL step; GPU step vs raw NCCL; CuPy top-K HBM fraction | - "
+          "| not measured | - | no GPU lent to this task (the host-sync counter is tested with a fake device) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -461,3 +461,13 @@ def test_fast_sum_of_16_bit_rows_is_the_float32_sum_rounded_once(monkeypatch, wi
     if n_rows == 2:  # one rounding: a float16 pair summed exactly in float32
         want = (rows[0].astype(np.float32) + rows[1].astype(np.float32)).astype(dtype)
         np.testing.assert_array_equal(results[0], want.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_from_wire_into_a_given_array_equals_a_new_one(dtype):
+    """The half strategy casts the wire sum straight into the gradient bucket (no new array, no copy)."""
+    w = to_wire(np.random.default_rng(3).standard_normal(70_001).astype(np.float32), "float16", 0.5)
+    out = np.full(w.size, np.nan, dtype=dtype)
+    got = from_wire(w, dtype, 2.0, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, from_wire(w, dtype, 2.0))

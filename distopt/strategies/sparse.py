@@ -109,7 +109,7 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
     if total * pair_bytes >= n * flat.dtype.itemsize:
         # same selection and residual as the sparse path; only the transport is dense
         counters.sparse_dense_fallbacks += 1
-        np.multiply(acc, 0, out=flat)  # zeros (NaN where the gradient is not finite, as a product keeps it)
+        xp_of(flat).multiply(acc, 0, out=flat)  # zeros (NaN where the gradient is not finite, as a product keeps it)
         flat[idx] = values
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)

@@ -31,7 +31,18 @@ Rules:
   following ``step()`` changes nothing.
 * A backward that raises leaves its started reductions in buffers the
   pipeline owns (never in ``.grad``); they are completed and dropped
-  before the next reduction, on every rank.
+  before the next reduction, on every rank. With
+  ``gradient_as_bucket_view`` those buffers ARE the ``.grad`` memory: the
+  started reductions write the sum of the ranks' partial gradients there
+  when they complete (at the next ``DistOpt.zero_grad()``, ``step()`` or
+  backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
+  before it zeroes or drops the gradients, so the next step is right.
+* ``gradient_as_bucket_view`` (PyTorch DDP's): the layout's bucket buffers
+  are tensors of the parameters' dtype and device, allocated here once per
+  layout (and trainable-parameter list), and every ``.grad`` is made a view
+  into its bucket when its final gradient is ready (copied into the view
+  if it is another tensor, untouched if it is the view already). The
+  pipeline then reduces each bucket in place and unpacks nothing.
 """
 from __future__ import annotations
 
@@ -57,18 +68,24 @@ class AutoSync:
         sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``)
             before reducing them; otherwise they raise ``TypeError``.
         threshold: fusion threshold in elements (see ``DistOpt.step``).
+        bucket_view: make every ``.grad`` a view into its bucket's buffer
+            (``gradient_as_bucket_view``, see the module docs).
 
     Attributes:
         passes: backward passes accumulated since the last reduction.
         no_sync_depth: nesting depth of ``no_sync()``.
+        bucket_view: as the argument.
     """
 
     def __init__(self, face: DistOpt, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
-                 threshold: int | None) -> None:
+                 threshold: int | None, bucket_view: bool = False) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
         self.face, self.local, self.k = face, local, passes_per_step
         self.sparse_as_dense, self.threshold = sparse_as_dense, threshold
+        self.bucket_view = bucket_view
+        self._views: list[Any] = []  # per trainable tensor, its .grad view into the bucket buffers
+        self._views_for: tuple[Any, tuple[int, ...]] | None = None  # (layout buffers, tensor ids) they view
         self.passes = 0
         self.no_sync_depth = 0
         self._task: int | None = None
@@ -109,6 +126,8 @@ class AutoSync:
         if self._pipeline is not None:
             index = self._index_of.get(id(param))
             if index is not None:
+                if self.bucket_view:
+                    self._adopt(index)
                 self._pipeline.ready(index, as_array(param.grad))
 
     def _new_backward(self, task: int) -> None:
@@ -118,6 +137,7 @@ class AutoSync:
         self._task = task
         if self._pipeline is not None:  # the previous backward raised before its end
             self._stale, self._pipeline = self._pipeline, None
+            self.drain()  # before this backward reuses gradient memory (bucket views) or communicates
         self._syncing = self.no_sync_depth == 0 and self.passes + 1 >= self.k
         Variable._execution_engine.queue_callback(self._end_of_backward)
         if self._syncing and self.face.overlap and self.face.strategy.supports_overlap:
@@ -135,8 +155,38 @@ class AutoSync:
         self.drain()
         self._tensors = self.local.trainable()
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
-        return self.face._begin(self.face.strategy, [as_array(t) for t in self._tensors], self.threshold,
-                                joined=self.face._joining, views=False)
+        pipeline = self.face._begin(self.face.strategy, [as_array(t) for t in self._tensors], self.threshold,
+                                    joined=self.face._joining, views=False, bucket_view=self.bucket_view)
+        if self.bucket_view:
+            self._bind_views(pipeline)
+        return pipeline
+
+    def _bind_views(self, pipeline: BucketPipeline) -> None:
+        """Allocate the layout's bucket buffers as tensors and the ``.grad`` views into them, once per
+        layout and trainable-parameter list (a new layout or list: new buffers, new views)."""
+        import torch
+
+        owner = (pipeline.buffers, tuple(id(t) for t in self._tensors))
+        if self._views_for is not None and self._views_for[0] is owner[0] and self._views_for[1] == owner[1]:
+            return
+        pipeline.buffers.clear()  # never reuse memory a parameter no longer trained may still hold as .grad
+        views: list[Any] = [None] * len(self._tensors)
+        for b, bucket in enumerate(pipeline.buckets):
+            ref = self._tensors[bucket.slots[0].index]
+            flat = torch.zeros(bucket.size, dtype=ref.dtype, device=ref.device)  # bucket.size ELEMENTS
+            pipeline.buffers[b] = as_array(flat)
+            for s in bucket.slots:
+                views[s.index] = flat[s.offset:s.offset + s.size].view(s.shape)
+        self._views, self._views_for = views, owner
+
+    def _adopt(self, index: int) -> None:
+        """Make tensor ``index``'s ``.grad`` its bucket view: copy a gradient held elsewhere into the
+        view, then point ``.grad`` at it (the old tensor is freed); the view itself is left as it is."""
+        tensor, view = self._tensors[index], self._views[index]
+        grad = tensor.grad
+        if grad is not None and (grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride()):
+            view.copy_(grad)
+            tensor.grad = view
 
     def drain(self, outside_backward: bool = False) -> None:
         """Complete and drop the reductions of a backward that raised (collective on every rank).
@@ -165,13 +215,18 @@ class AutoSync:
             pipeline = self._begin()
         strategy = self.face.strategy
         self.face.active_strategy = strategy
+        if self.bucket_view:
+            for i in range(len(self._tensors)):
+                self._adopt(i)
         grads = [None if t.grad is None else as_array(t.grad) for t in self._tensors]
         outcome = self.face.engine.complete(pipeline, grads)
         self.passes, self._pending, self._reduced = 0, False, True
         self._skipped = not outcome.applies
-        for t, g, ok in zip(self._tensors, grads, outcome.present):
+        for i, (t, g, ok) in enumerate(zip(self._tensors, grads, outcome.present)):
             if self._skipped or not ok:
                 t.grad = None
+            elif t.grad is None and self.bucket_view:
+                t.grad = self._views[i]  # its slot (zeros here) holds the average of the other ranks
             elif t.grad is None:
                 t.grad = torch.from_numpy(g) if hasattr(g, "__array_interface__") else torch.from_dlpack(g)
         self.local.hook(self._tensors)

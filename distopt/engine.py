@@ -72,7 +72,13 @@ class Outcome:
 
 @dataclass
 class _Layout:
-    """One bucket layout of the current parameter list, with its packing buffers."""
+    """One bucket layout of the current parameter list, with its packing buffers.
+
+    ``buffers`` maps a bucket index to its flat buffer (``bucket.size``
+    elements of ``bucket.dtype``), allocated once and kept while the layout
+    lives; with ``gradient_as_bucket_view`` they are the gradients' memory
+    (each ``.grad`` a view into one), allocated by the PyTorch adapter.
+    """
 
     key: int
     buckets: list[Bucket]
@@ -169,14 +175,17 @@ class Engine:
 
     # ------------------------------------------------------------- the step
     def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None,
-              joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None) -> BucketPipeline:
+              joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
+              bucket_view: bool = False) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
         ``threshold``: elements above which a parameter is a bucket of its
         own; None means the strategy's ``default_threshold``.
 
         ``joined``: this rank is inside ``join()`` (stepping or shadowing).
-        ``views``: see :class:`~distopt.pipeline.BucketPipeline`.
+        ``views``, ``bucket_view``: see :class:`~distopt.pipeline.BucketPipeline`
+        (with ``bucket_view`` the caller fills the layout's buffers,
+        ``pipeline.buffers``, before the first gradient is ready).
         ``grads``: the step's gradients when backward has already run (the
         header then settles the step's outcome); None during backward.
 
@@ -189,7 +198,7 @@ class Engine:
         with self.context("parameter check"):
             layout, settled = self._agree(strategy, params, threshold, joined, grads)
         pipeline = BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
-                                  self.comm, self.counters, self.context, views)
+                                  self.comm, self.counters, self.context, views, bucket_view)
         pipeline.settled = settled
         return pipeline
 

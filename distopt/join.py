@@ -15,6 +15,7 @@ from .strategies import Strategy
 
 if TYPE_CHECKING:
     from .accumulate import GradientAccumulator
+    from .autosync import AutoSync
     from .local import LocalOptimizer
 
 __all__ = ["JoinMethods", "LastStep"]
@@ -35,6 +36,7 @@ class JoinMethods:
     _accumulator: GradientAccumulator | None
     _last: LastStep | None
     _joining: bool
+    _sync: AutoSync | None
     local: LocalOptimizer
     strategy: Strategy
     if TYPE_CHECKING:  # provided by DistOpt
@@ -87,8 +89,12 @@ class JoinMethods:
 
         Raises:
             ValueError: nothing to shadow (no step yet and no ``params``),
-                or a strategy without ``join`` support.
+                a strategy without ``join`` support, or
+                ``gradient_as_bucket_view=True`` (not combined with join).
         """
+        if self._sync is not None and self._sync.bucket_view:
+            raise ValueError("join() is not supported with DistOpt(..., gradient_as_bucket_view=True): a joined "
+                             "rank's shadow steps do not write into the bucket views")
         self._joining = True
         try:
             yield

@@ -81,6 +81,37 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
             each training-mode forward (DDP's default).
         sparse_as_dense: densify sparse PyTorch gradients before averaging
             (else a sparse gradient raises TypeError at the first backward).
+        gradient_as_bucket_view: PyTorch DDP's option, for a
+            ``torch.optim.Optimizer`` only. True makes each trainable
+            parameter's ``.grad`` a view into its bucket's flat buffer (a
+            tensor of the parameter's dtype and device, allocated once per
+            bucket layout), so the buckets ARE the gradient memory: the
+            reduction runs in place on them and nothing is unpacked. The
+            engine then holds about 0 extra bytes instead of a second copy
+            of every gradient (1x the gradient bytes), and saves a copy in
+            and a copy out per step. Results are bitwise those of False.
+            A ``.grad`` that is not its view when its final gradient is
+            ready (the first step, after ``zero_grad(set_to_none=True)``,
+            PyTorch's default, or a ``.grad`` the user replaced) is copied
+            into the view and ``.grad`` set to the view (the fresh tensor is
+            then freed); one that is the view (``zero_grad(set_to_none=False)``,
+            ``no_sync()``, ``backward_passes_per_step``) is not copied. A
+            layout change (parameters added or removed, ``requires_grad``
+            switched) gives new buffers and new views. Caveats, as DDP's:
+            ``.grad`` is a view only after the first synchronizing backward
+            (measure the memory saved from then on); ``.grad.detach_()``
+            fails on a view (``torch.optim``'s ``zero_grad`` does not call
+            it on gradients without a graph); a ``.grad`` kept across steps
+            is overwritten by the next backward and reduction (clone it to
+            keep it). If a backward raises, the reductions it started run on
+            ``.grad`` memory and complete at the next ``zero_grad()`` of
+            DistOpt, ``step()`` or backward, writing the sum of the ranks'
+            partial gradients there: call DistOpt's ``zero_grad()`` (not
+            the inner optimizer's ``zero_grad(set_to_none=False)``) before
+            the next backward, and the next step is right on every rank.
+            ``backward_and_update(loss)`` then runs ``loss.backward()`` and
+            ``step()`` (an explicit ``threshold`` takes the engine's path,
+            without views); ``join()`` is not supported with it.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -96,7 +127,9 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
 
     Raises:
         TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
-        ValueError: ``buffSize < 1`` or inconsistent rank arguments.
+        ValueError: ``buffSize < 1``, inconsistent rank arguments, or
+            ``gradient_as_bucket_view=True`` with an array (non-PyTorch)
+            optimizer or a strategy that reduces no gradients (partial).
     """
 
     def __init__(self, opt: Any, nccl_id: Any = None, gpu_num: int | None = None,
@@ -104,13 +137,23 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
                  backend: str | None = None, comm: Communicator | None = None, timeout: float | None = None,
                  backward_passes_per_step: int = 1, check_finite: bool = False, abort_on_exception: bool = True,
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
-                 sparse_as_dense: bool = False, world: World | None = None) -> None:
+                 sparse_as_dense: bool = False, world: World | None = None,
+                 gradient_as_bucket_view: bool = False) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a distopt.strategies.Strategy, got {type(strategy).__name__}")
         self.local = wrap_local(opt)
         torch_opt = isinstance(self.local, TorchOptimizer)
+        held = Dense() if strategy is None else strategy
+        if gradient_as_bucket_view and not torch_opt:
+            raise ValueError("gradient_as_bucket_view=True needs a torch.optim.Optimizer (it makes param.grad a "
+                             f"view into the bucket buffers); {type(opt).__name__} is an array optimizer: drop "
+                             "gradient_as_bucket_view")
+        if gradient_as_bucket_view and not held.reduces_gradients:
+            raise ValueError(f"gradient_as_bucket_view=True needs a strategy that reduces gradient buckets in place "
+                             f"(plain, half, sparse, dgc, powersgd), not {held.name!r}, which averages parameters "
+                             "after the update")
         self._accumulator = (GradientAccumulator(backward_passes_per_step)
                              if backward_passes_per_step != 1 and not torch_opt else None)
         self.opt = opt
@@ -120,7 +163,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         self.rank_in_global, self.world_size = comm.rank, comm.size
         self._counters = Counters()
         self.engine = Engine(comm, int(buffSize), bool(check_finite), self._counters)
-        self._strategies = StrategySet(Dense() if strategy is None else strategy)
+        self._strategies = StrategySet(held)
         self.active_strategy = self.strategy
         self.sampler: Any = None
         self.overlap = bool(overlap)
@@ -129,8 +172,8 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         if abort_on_exception and comm.name == "mpi":
             install_abort_on_exception()
         self.model = model
-        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, None)
-                      if torch_opt else None)
+        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, None,
+                               bool(gradient_as_bucket_view)) if torch_opt else None)
         owned = self.local.arrays()
         if model is not None:
             attach_model(self, model, broadcast_buffers)
@@ -220,8 +263,9 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         self._backward_run(self.strategy, loss, threshold)
 
     def _backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
-        if self._sync is not None and self._sync.k > 1 and strategy is self.strategy:
-            loss.backward()  # accumulates in .grad; the k-th pass averages
+        if (self._sync is not None and strategy is self.strategy
+                and (self._sync.k > 1 or (self._sync.bucket_view and threshold is None))):
+            loss.backward()  # accumulates in .grad (bucket views with gradient_as_bucket_view); the k-th averages
             if self._sync.passes == 0:
                 self.local.optimizer.step()  # type: ignore[attr-defined]
             return
@@ -237,9 +281,9 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         self._run(strategy, *self.local.backward(loss), threshold)
 
     def _begin(self, strategy: Strategy, params: list[Any], threshold: int | None, joined: bool = False,
-               views: bool = True, grads: Sequence[Any] | None = None) -> Any:
+               views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False) -> Any:
         strategy.bind(self.world_size, self.local)
-        return self.engine.begin(strategy, params, threshold, joined, views, grads)
+        return self.engine.begin(strategy, params, threshold, joined, views, grads, bucket_view)
 
     def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int | None) -> None:
         """The strategy's after-update (partial averaging) over the float ``params``."""

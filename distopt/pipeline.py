@@ -102,13 +102,19 @@ class BucketPipeline:
             packs every bucket into a buffer the pipeline owns, so that a
             reduction abandoned by an exception in backward never writes
             into gradient memory the user has since reused.
+        bucket_view: the gradients already live in ``buffers``, one buffer
+            per bucket index, allocated by the caller (PyTorch's
+            ``gradient_as_bucket_view``: each ``.grad`` is a view into its
+            bucket). Every bucket is reduced in place in its buffer; nothing
+            is packed or unpacked, except that the slot of a missing (None)
+            gradient is zeroed.
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
-                 context: Callable[[str], Any], views: bool = True) -> None:
+                 context: Callable[[str], Any], views: bool = True, bucket_view: bool = False) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
-        self.views = views
+        self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
         self.context = context
         self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
@@ -128,10 +134,13 @@ class BucketPipeline:
         return f"bucket {b + 1} of {len(self.buckets)} ({bucket.size} elements of {bucket.dtype})"
 
     def _flat(self, b: int, grad: Any) -> tuple[Any, bool]:
-        """Bucket ``b``'s flat buffer: a lone contiguous gradient itself, else the layout's packing buffer."""
+        """Bucket ``b``'s flat buffer: a lone contiguous gradient itself, else the layout's packing buffer
+        (with ``bucket_view``, the layout's buffer, which holds the gradients: ``viewed``)."""
         if b not in self.flats:
             bucket = self.buckets[b]
-            if self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
+            if self.bucket_view:
+                self.flats[b] = (self.buffers[b], True)
+            elif self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
                 self.flats[b] = (grad.reshape(-1), True)
             else:
                 buf = self.buffers.get(b)
@@ -144,7 +153,7 @@ class BucketPipeline:
     def _put(self, index: int, grad: Any) -> None:
         b, s = self.where[index]
         flat, viewed = self._flat(b, grad)
-        if not viewed:
+        if not viewed or (self.bucket_view and grad is None):
             put(flat, s, grad)
         self.marked.add(index)
         self.missing[b] -= 1

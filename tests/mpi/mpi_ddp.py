@@ -93,3 +93,45 @@ def test_h37_exception_in_backward_on_every_rank_recovers(world, overlap):
         for b, m, p in zip(before, mean, [l1.weight, l2.weight]):
             assert float((p.detach() - (b - 0.01 * m)).abs().max()) < 1e-4, trial
     opt.close()
+
+
+def _bucket_view_run(world, view: bool, set_to_none: bool, overlap: bool, fail: bool):
+    """4 batches (the second skipped, after a backward that raises when ``fail``, once the buckets of
+    model[2] started: fusion buffers of 20 elements)."""
+    torch.manual_seed(world.rank)  # rank 0's init is broadcast
+    model = torch.nn.Sequential(torch.nn.Linear(50, 300), torch.nn.Tanh(), torch.nn.Linear(300, 20)).double()
+    opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), overlap=overlap, buffSize=20,
+                  model=model, gradient_as_bucket_view=view)
+    g = torch.Generator().manual_seed(world.rank)
+    for step in range(4):
+        x, y = torch.randn(8, 50, generator=g, dtype=torch.float64), torch.randn(8, 20, generator=g, dtype=torch.float64)
+        if step == 1 and not fail:
+            continue
+        opt.zero_grad(set_to_none=set_to_none)
+        key = ("bucket_view", view, set_to_none, overlap, step)
+        if step == 1:
+            Boom.armed["fail"].add(key)
+        try:
+            torch.nn.functional.mse_loss(model[2](Boom.apply(torch.tanh(model[0](x)), key)), y).backward()
+        except RuntimeError as exc:
+            assert "simulated" in str(exc)
+            opt.zero_grad(set_to_none=set_to_none)  # completes the reductions started on .grad memory first
+            continue
+        opt.step()
+    out = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+@OVERLAP
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
+def test_gradient_as_bucket_view_is_bitwise_the_default(world, set_to_none, overlap):
+    """MPI's asynchronous all-reduce on the .grad views: the same parameters and .grad as without the
+    option, and a backward that raised (after some buckets started) changes nothing."""
+    off = _bucket_view_run(world, False, set_to_none, overlap, False)
+    on = _bucket_view_run(world, True, set_to_none, overlap, False)
+    failed = _bucket_view_run(world, True, set_to_none, overlap, True)
+    assert all(torch.equal(a, b) for a, b in zip(off, on))
+    assert all(torch.equal(a, b) for a, b in zip(on, failed))
+    everyone = world.allgather(torch.cat([t.reshape(-1) for t in on]).numpy())
+    assert all((e == everyone[0]).all() for e in everyone), "replicas differ"

@@ -12,7 +12,13 @@ any communication (backward + optimizer step alone), and ``t_comm`` = the
 reduction of the same gradients alone (``DistOpt.step`` on precomputed
 gradients). Times are the max over ranks of the median of timed iterations.
 hidden = (t_no_overlap - t_overlap) / t_comm: the fraction of communication
-that overlap hid. Writes ``benchmarks/results/overlap.json`` and prints a table.
+that overlap hid. The DDP idiom (``opt.zero_grad(); loss.backward();
+opt.step()``, overlap on) runs twice more, with ``.grad`` in tensors of its
+own and with ``gradient_as_bucket_view=True`` (``.grad`` views into the
+buckets); ``grad memory`` = bytes of the distinct storages holding the
+gradients and the engine's bucket buffers, over the gradients' bytes (1.0:
+one copy; 2.0: the engine holds a second). Writes
+``benchmarks/results/overlap.json`` and prints a table.
 """
 from __future__ import annotations
 
@@ -60,6 +66,17 @@ def timed(fn, warmup: int, iters: int, comm: MPI.Comm) -> float:
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
 
+def gradient_memory(opt: distopt.DistOpt, model: torch.nn.Module) -> float:
+    """Bytes of the distinct memory regions holding ``.grad`` and the engine's buffers, over the gradient bytes."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    regions = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+    for layout in opt.engine._layouts.values():
+        for buffer in layout.buffers.values():
+            start = buffer.__array_interface__["data"][0]
+            regions[start] = max(regions.get(start, 0), int(buffer.nbytes))
+    return sum(regions.values()) / sum(g.numel() * g.element_size() for g in grads)
+
+
 def measure(name: str, warmup: int, iters: int, comm: MPI.Comm) -> dict[str, float]:
     build, shape = MODELS[name]
     torch.manual_seed(0)
@@ -79,6 +96,18 @@ def measure(name: str, warmup: int, iters: int, comm: MPI.Comm) -> dict[str, flo
         out[label] = timed(step, warmup, iters, comm)
         if overlap:
             out["buckets_started_in_backward_per_step"] = opt.stats["buckets_started_in_backward"] / opt.stats["steps"]
+        opt.close()
+    for label, view in (("ddp_idiom", False), ("bucket_view", True)):  # loss.backward(); opt.step()
+        sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+        opt = distopt.DistOpt(sgd, gradient_as_bucket_view=view)
+
+        def ddp_step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        out[label] = timed(ddp_step, warmup, iters, comm)
+        out[f"{label}_grad_memory"] = gradient_memory(opt, model)
         opt.close()
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -111,9 +140,12 @@ def main() -> int:
     if comm.rank == 0:
         rows = [[n, f"{r['params']:,}", f"{r['compute'] * 1e3:.1f}", f"{r['comm'] * 1e3:.1f}",
                  f"{r['no_overlap'] * 1e3:.1f}", f"{r['overlap'] * 1e3:.1f}", f"{r['hidden']:.2f}",
-                 f"{r['buckets_started_in_backward_per_step']:.1f}"] for n, r in results.items()]
+                 f"{r['buckets_started_in_backward_per_step']:.1f}", f"{r['ddp_idiom'] * 1e3:.1f}",
+                 f"{r['ddp_idiom_grad_memory']:.2f}", f"{r['bucket_view'] * 1e3:.1f}",
+                 f"{r['bucket_view_grad_memory']:.2f}"] for n, r in results.items()]
         print(table(["model", "params", "compute ms", "comm ms", "no overlap ms", "overlap ms", "hidden",
-                     "buckets in backward"], rows,
+                     "buckets in backward", "ddp idiom ms", "grad memory", "bucket view ms", "grad memory (view)"],
+                    rows,
                     title=f"overlap, {comm.size} ranks, async progress "
                           f"{os.environ.get('MPIR_CVAR_ASYNC_PROGRESS', '0')}"))
         write_json(args.out, {"benchmark": "overlap", "world_size": comm.size, "quick": args.quick,

@@ -1,12 +1,12 @@
 """The performance targets vs what the benchmark scripts measured: one Markdown table.
 
-Reads the JSON that ``step.py``, ``allreduce.py`` and ``train.py`` wrote
-(default: ``benchmarks/results/{step,allreduce,train}.json``) and prints,
+Reads the JSON that ``step.py``, ``allreduce.py``, ``overlap.py`` and
+``train.py`` wrote (default: ``benchmarks/results/<name>.json``) and prints,
 per target, the goal, the measured figure and whether it is met, with the
 run it comes from (git commit, date). Nothing is measured here and no
 figure is typed in: a target whose run is missing reads "not measured".
 
-    python benchmarks/targets.py [--step S.json] [--allreduce A.json] [--train T.json]
+    python benchmarks/targets.py [--step S.json] [--allreduce A.json] [--overlap O.json] [--train T.json]
 """
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def allreduce_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | N
             ("shm busbw / MPICH busbw, 1-256 MiB (worst size)", ">= 1.5", shm, shm is not None and shm >= 1.5)]
 
 
+def overlap_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """PyTorch's extra gradient memory with ``gradient_as_bucket_view`` (and without, for reference)."""
+    rows = []
+    for name, rec in (run or {}).get("results", {}).items():
+        view, plain = rec.get("bucket_view_grad_memory"), rec.get("ddp_idiom_grad_memory")
+        if view is not None:
+            rows.append((f"PyTorch {name}, gradient_as_bucket_view: extra memory / gradient bytes", "<= 0.05",
+                         view - 1, view - 1 <= 0.05))
+        if plain is not None:
+            rows.append((f"PyTorch {name}, default (.grad tensors of their own): extra memory / gradient bytes",
+                         "<= 1.0", plain - 1, plain - 1 <= 1.0))
+    return rows or [("PyTorch extra gradient memory with gradient_as_bucket_view", "<= 0.05", None, False)]
+
+
 def train_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
     """The 2-process CNN epoch: plain's training time over DDP's, and the accuracy difference."""
     plain = next((r for r in (run or {}).get("runs", []) if r["impl"] == "distopt" and r["strategy"] == "plain"
@@ -76,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step", type=Path, default=RESULTS / "step.json")
     p.add_argument("--allreduce", type=Path, default=RESULTS / "allreduce.json")
+    p.add_argument("--overlap", type=Path, default=RESULTS / "overlap.json")
     p.add_argument("--train", type=Path, default=RESULTS / "train.json")
     args = p.parse_args(argv)
-    runs = {"step": _load(args.step), "allreduce": _load(args.allreduce), "train": _load(args.train)}
+    runs = {"step": _load(args.step), "allreduce": _load(args.allreduce), "overlap": _load(args.overlap),
+            "train": _load(args.train)}
     print("| target | goal | measured | met | run |")
     print("|---|---|---:|---|---|")
     for key, rows in (("step", step_rows(runs["step"])), ("allreduce", allreduce_rows(runs["allreduce"])),
-                      ("train", train_rows(runs["train"]))):
+                      ("overlap", overlap_rows(runs["overlap"])), ("train", train_rows(runs["train"]))):
         for name, goal, value, met in rows:
             shown = "not measured" if value is None else f"{value:.2f}"
             print(f"| {name} | {goal} | {shown} | {'yes' if met else 'no'} | {_source(runs[key])} |")

@@ -72,7 +72,8 @@ def test_step_smoke(tmp_path):
     assert data["results"]["topk1"]["density"] == pytest.approx(0.01, rel=0.05)
     assert data["results"]["step_noop"]["control_per_step"] == 1.0  # the step header alone
     table = subprocess.run([sys.executable, str(BENCH / "targets.py"), "--step", str(out), "--allreduce",
-                            str(tmp_path / "none.json"), "--train", str(tmp_path / "none.json")],
+                            str(tmp_path / "none.json"), "--train", str(tmp_path / "none.json"),
+                            "--overlap", str(tmp_path / "none.json")],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     lines = {row.split("|")[1].strip(): row for row in table.stdout.splitlines() if row.startswith("| ")}

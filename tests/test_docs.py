@@ -20,6 +20,9 @@ Each fenced block in ``docs/**/*.md`` may be preceded by a marker comment,
 * ``table=ID`` (on a python block and before a Markdown table): the block
   prints that table;
 * ``diagram``: a text diagram; the ``distopt`` modules it names must exist.
+* ``measured=SCRIPT``: a text block of what benchmark ``SCRIPT``
+  (``benchmarks/NAME.py``) printed in a measured run; the script must exist
+  and name the first word of the block's title line.
 
 A block of any other kind, a shell block without a check, or a check
 without its block fails :func:`test_every_block_is_checked`. Also here: the
@@ -133,7 +136,7 @@ ALL_BLOCKS = [b for page in _pages() for b in parse_blocks(page)]
 
 def _kind(block: Block) -> str:
     m = block.marker
-    for key in ("file", "cmd", "output", "diagram", "gpu", "mpi"):
+    for key in ("file", "cmd", "output", "diagram", "measured", "gpu", "mpi"):
         if key in m:
             return key
     return "run" if block.lang == "python" else "unmarked"
@@ -193,6 +196,8 @@ def test_every_block_is_checked():
             problems.append(f"{b.id}: no check for cmd={b.marker['cmd']} in tests/test_docs.py CHECKS")
         elif kind in ("run", "mpi", "gpu") and b.lang != "python":
             problems.append(f"{b.id}: {kind} applies to python blocks")
+        elif kind == "measured" and b.lang != "text":
+            problems.append(f"{b.id}: measured= applies to text blocks")
         elif kind == "output" and b.marker["output"] not in CHECKS:
             problems.append(f"{b.id}: output={b.marker['output']} names no command check")
     used = {b.marker.get("cmd") for b in ALL_BLOCKS}
@@ -319,6 +324,16 @@ def _exists(dotted: str) -> bool:
     except ImportError:
         module, _, attr = dotted.rpartition(".")
         return _exists(module) and hasattr(importlib.import_module(module), attr) if module else False
+
+
+def test_measured_blocks_come_from_existing_benchmarks():
+    blocks = _blocks("measured")
+    assert blocks, "no measured= block: the performance page shows the benchmarks' output"
+    for b in blocks:
+        script = ROOT / b.marker["measured"]
+        assert script.parent.name == "benchmarks" and script.is_file(), f"{b.id}: {script} is not a benchmark"
+        title = b.code.split()[0].rstrip(",")
+        assert title in script.read_text(), f"{b.id}: {script.name} does not print a title starting {title!r}"
 
 
 def test_diagrams_name_existing_modules():

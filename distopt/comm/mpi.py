@@ -41,7 +41,7 @@ from . import descriptor
 from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
 from .base import REDUCE_OPS, check_reduce_args
 from .staging import staged, staged_async
-from .mpi_half import HalfSum, half_dtypes, half_op
+from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
 from .wait import Backoff, resolve_timeout, wait_until
 
@@ -127,6 +127,7 @@ class MPICommunicator(CommunicatorState):
         self.timeout = resolve_timeout(timeout)
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self._control = self._comm.Dup()  # only for close's vote: never matched with a collective in flight
+        self._halves = HalfQueue(self._comm.Dup())  # the all-gathers of 16-bit sums, in start order
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
         self._seq = 0
@@ -160,7 +161,11 @@ class MPICommunicator(CommunicatorState):
                 f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
                 "of steps; the communicator is unusable now")
 
-        wait_until(request.Test, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
+        def done() -> bool:  # every wait also starts the 16-bit sums' all-gathers that are due, in order
+            self._halves.drive()
+            return bool(request.Test())
+
+        wait_until(done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
 
     def _missing_report(self, per_rank_s: float = 1.0) -> str:
         """Read every rank's (seq, kind) from the side channel: who has not reached this collective."""
@@ -271,7 +276,7 @@ class MPICommunicator(CommunicatorState):
     def _start(self, array: np.ndarray, buf: np.ndarray, mpi_type: Any, op: str) -> Any:
         """Start the in-place reduction of ``array``; a request (``Test()``)."""
         if mpi_type is MPI.UINT16_T and array.dtype != np.uint16 and op in ("sum", "avg"):
-            return HalfSum(self._comm, array)
+            return HalfSum(self._comm, array, self._halves)
         return self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], _reduce_op(array.dtype, mpi_type, op))
 
     @staged
@@ -360,6 +365,7 @@ class MPICommunicator(CommunicatorState):
             self._win.Free()
             self._comm.Free()
             self._control.Free()
+            self._halves.gather_comm.Free()
 
     def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size}, timeout={self.timeout:g})"

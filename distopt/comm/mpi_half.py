@@ -10,10 +10,19 @@ kernels where installed), and an in-place
 ``Iallgatherv`` spreads the reduced chunks. Every rank ends with the same
 bits; the wire carries the same bytes as a ring all-reduce of 16-bit words.
 Max and min use a user-defined MPI operation instead (rare for gradients).
+
+MPI requires every rank to start the collectives of one communicator in the
+same order, and the all-gather of a sum can only start once its
+reduce-scatter has completed, at a moment that differs per rank. So the
+all-gathers run on a communicator of their own, started strictly in the
+order the sums were started (:class:`HalfQueue`), and the backend drives
+that queue from every one of its waits, so no rank blocked elsewhere holds
+up a peer's all-gather.
 """
 from __future__ import annotations
 
 import functools
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -21,7 +30,7 @@ from mpi4py import MPI
 
 from .._fastcast import cast_into, sum_rows
 
-__all__ = ["half_dtypes", "half_op", "HalfSum"]
+__all__ = ["half_dtypes", "half_op", "HalfSum", "HalfQueue"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,19 +68,37 @@ def half_op(dtype: np.dtype, op: str) -> Any:
     return _OPS[key]
 
 
+class HalfQueue:
+    """The sums whose all-gather has not started yet, oldest first, and the communicator of the all-gathers.
+
+    Args:
+        gather_comm: an ``mpi4py.MPI.Comm`` used only for the all-gathers.
+    """
+
+    def __init__(self, gather_comm: Any) -> None:
+        self.gather_comm = gather_comm
+        self.waiting: deque[HalfSum] = deque()
+
+    def drive(self) -> None:
+        """Start the all-gather of every sum at the head whose reduce-scatter has completed, in order."""
+        while self.waiting and self.waiting[0].scattered():
+            self.waiting.popleft().gather(self.gather_comm)
+
+
 class HalfSum:
     """An in-place sum of a 16-bit float array across ``comm``, in flight (see the module docs).
 
-    Duck-types an MPI request: :meth:`Test` drives it and is True once
-    ``array`` holds the sum.
+    Duck-types an MPI request: :meth:`Test` drives it (and the sums started
+    before it) and is True once ``array`` holds the sum.
 
     Args:
-        comm: the ``mpi4py.MPI.Comm`` (every rank starts the same sums in
-            the same order).
+        comm: the ``mpi4py.MPI.Comm`` of the reduce-scatter (every rank
+            starts the same sums in the same order).
         array: C-contiguous float16 or bfloat16 NumPy array, any shape.
+        queue: the backend's :class:`HalfQueue`; this sum joins its end.
     """
 
-    def __init__(self, comm: Any, array: np.ndarray) -> None:
+    def __init__(self, comm: Any, array: np.ndarray, queue: HalfQueue) -> None:
         size, rank = comm.Get_size(), comm.Get_rank()
         base, extra = divmod(array.size, size)
         self._counts = [base + (r < extra) for r in range(size)]
@@ -81,25 +108,27 @@ class HalfSum:
         self._words = array.reshape(-1).view(np.uint16)
         self._chunk = self._words[self._displs[rank]:self._displs[rank] + mine]
         self._recv = np.empty((size, mine), dtype=np.uint16)  # every rank's copy of my chunk
-        self._request = comm.Ialltoallv([self._words, (self._counts, self._displs), MPI.UINT16_T],
+        self._queue = queue
+        self._scatter = comm.Ialltoallv([self._words, (self._counts, self._displs), MPI.UINT16_T],
                                         [self._recv, ([mine] * size, [mine * r for r in range(size)]),
                                          MPI.UINT16_T])
-        self._gathering = False
+        self._gathering: Any = None  # the all-gather's request, once started
+        self._done = False
+        queue.waiting.append(self)
+
+    def scattered(self) -> bool:
+        """True once the reduce-scatter has completed (this rank holds every copy of its chunk)."""
+        return bool(self._scatter.Test())
+
+    def gather(self, gather_comm: Any) -> None:
+        """Sum this rank's chunk, then start the in-place all-gather (called in start order)."""
+        sum_rows(self._recv.view(self._dtype), self._chunk.view(self._dtype))
+        self._gathering = gather_comm.Iallgatherv(MPI.IN_PLACE, [self._words, (self._counts, self._displs),
+                                                                 MPI.UINT16_T])
 
     def Test(self) -> bool:  # noqa: N802 (an MPI request's name)
-        """Progress the sum; True once it is complete on this rank."""
-        if self._request is None:
-            return True
-        if not self._request.Test():
-            return False
-        if self._gathering:
-            self._request = None
-            return True
-        self._reduce_chunk()
-        self._request = self._comm.Iallgatherv(MPI.IN_PLACE, [self._words, (self._counts, self._displs),
-                                                              MPI.UINT16_T])
-        self._gathering = True
-        return self.Test()
-
-    def _reduce_chunk(self) -> None:
-        sum_rows(self._recv.view(self._dtype), self._chunk.view(self._dtype))
+        """Progress the queue; True once this sum is complete on this rank."""
+        if not self._done:
+            self._queue.drive()
+            self._done = self._gathering is not None and bool(self._gathering.Test())
+        return self._done

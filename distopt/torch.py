@@ -136,7 +136,9 @@ class TorchOptimizer(LocalOptimizer):
         Args:
             params: ignored (the optimizer knows its tensors).
             grads: averaged gradient arrays (those that were views of
-                ``.grad`` already hold the average; new ones are installed).
+                ``.grad`` already hold the average; others, e.g. the new
+                arrays of a rank shadowing inside ``join()``, are installed:
+                into an existing ``.grad`` in place, else as the ``.grad``).
             present: False where no rank had a gradient: ``.grad`` is set to
                 None so the optimizer skips that parameter.
         """
@@ -145,8 +147,12 @@ class TorchOptimizer(LocalOptimizer):
         for p, g, ok in zip(self.params(), grads, present):
             if not ok:
                 p.grad = None
-            elif p.grad is None:
-                p.grad = torch.from_dlpack(g) if not hasattr(g, "__array_interface__") else torch.from_numpy(g)
+                continue
+            tensor = torch.from_dlpack(g) if not hasattr(g, "__array_interface__") else torch.from_numpy(g)
+            if p.grad is None:
+                p.grad = tensor
+            elif p.grad.data_ptr() != tensor.data_ptr():
+                p.grad.copy_(tensor.reshape(p.grad.shape))
         self.engine_path = True
         try:
             self.optimizer.step()

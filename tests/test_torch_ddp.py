@@ -270,3 +270,35 @@ def test_close_removes_the_hooks_from_the_model_and_optimizer():
     sgd.step()
     assert second.stats.steps == 1 and first.stats.steps == 0
     second.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_join_with_a_torch_optimizer_keeps_replicas_identical_and_averages_over_active_ranks(overlap):
+    """Rank 0 has 2 batches, rank 1 has 4, in the DDP idiom inside ``opt.join()``: while rank 0 shadows,
+    both ranks step with rank 1's gradient alone (the average over the ranks that contributed)."""
+    counts = [2, 4]
+
+    def rank_fn(rank, comm):
+        model = make_model(seed=rank)
+        opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=overlap)
+        with opt.join():
+            for step in range(counts[rank]):
+                x, y = batch(step)
+                mine = slice(B * rank, B * (rank + 1))
+                opt.zero_grad()
+                loss_of(model, x[mine], y[mine]).backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ranks = run_world(W, rank_fn)
+    ref = make_model(seed=0)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(max(counts)):
+        x, y = batch(step)
+        active = [r for r in range(W) if step < counts[r]]
+        sgd.zero_grad()
+        sum(loss_of(ref, x[B * r:B * (r + 1)], y[B * r:B * (r + 1)]) for r in active).div(len(active)).backward()
+        sgd.step()
+    for a, b in zip(ranks[0], ranks[1]):
+        assert torch.equal(a, b)
+    assert max(float((a - b).abs().max()) for a, b in zip(ranks[0], ref.parameters())) < 1e-12

@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.failing_backward import FailingBackward  # noqa: E402
+
 from distopt import SGD, DistOpt  # noqa: E402
 from distopt.comm import create  # noqa: E402
 from distopt.strategies import DGC, Dense, Half, Partial, PowerSGD, Sparse  # noqa: E402
@@ -263,19 +265,6 @@ def test_join_raises():
 
 
 # ------------------------------------------------ 5. a backward that raises
-class _Boom(torch.autograd.Function):
-    armed: set[Any] = set()
-
-    @staticmethod
-    def forward(ctx, x, key):
-        ctx.key = key
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.key in _Boom.armed:
-            raise RuntimeError("simulated out-of-memory in backward")
-        return g, None
 
 
 def _failing_run(view: bool, fail: bool, set_to_none: bool, trial: str) -> list[Any]:
@@ -296,13 +285,13 @@ def _failing_run(view: bool, fail: bool, set_to_none: bool, trial: str) -> list[
             x = torch.randn(4, 3, generator=g, dtype=torch.float64)
             if step == 1 and not fail:
                 continue
-            key = (trial, rank, step)
+            key = ("bucket_view", trial, rank, step)
             if step == 1:
-                _Boom.armed.add(key)
+                FailingBackward.armed.add(key)
             opt.zero_grad(set_to_none=set_to_none)
             before = len(comm.calls)
             try:
-                (l2(_Boom.apply(l1(x), key)) ** 2).sum().backward()
+                (l2(FailingBackward.apply(l1(x), key)) ** 2).sum().backward()
             except RuntimeError as exc:
                 if "simulated out-of-memory" not in str(exc):
                     raise

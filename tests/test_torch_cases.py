@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.failing_backward import FailingBackward  # noqa: E402
+
 from distopt import CollectiveMismatchError, CollectiveTimeoutError, DistOpt  # noqa: E402
 from distopt.strategies import Half  # noqa: E402
 from tests.simworld import RankFailed, run_world  # noqa: E402
@@ -136,21 +138,6 @@ def test_h36_sparse_gradients_clear_error_or_densified(overlap):
         assert w.tolist() == [[-1.0, -1.0], [0.0, 0.0], [-0.5, -0.5], [0.0, 0.0]]
 
 
-class _Boom(torch.autograd.Function):
-    armed = {"fail": set()}
-
-    @staticmethod
-    def forward(ctx, x, key):
-        ctx.key = key
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.key in _Boom.armed["fail"]:
-            raise RuntimeError("simulated out-of-memory in backward")
-        return g, None
-
-
 def _h37(overlap: bool, failing: set[int], trial: int) -> list[Any]:
     def rank_fn(rank, comm):
         g = torch.Generator().manual_seed(rank)
@@ -162,12 +149,12 @@ def _h37(overlap: bool, failing: set[int], trial: int) -> list[Any]:
         grads3 = None
         for step in range(3):
             x = torch.randn(4, 3, generator=g)
-            key = (trial, rank, step)
+            key = ("h37", trial, rank, step)
             if step == 1 and rank in failing:
-                _Boom.armed["fail"].add(key)
+                FailingBackward.armed.add(key)
             opt.zero_grad()
             try:
-                (l2(_Boom.apply(l1(x), key)) ** 2).sum().backward()
+                (l2(FailingBackward.apply(l1(x), key)) ** 2).sum().backward()
             except RuntimeError as exc:
                 if "simulated out-of-memory" not in str(exc):
                     raise

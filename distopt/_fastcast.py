@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HAVE_TORCH", "usable", "torch_view", "cast_into", "scale_into", "sum_rows"]
+__all__ = ["HAVE_TORCH", "usable", "torch_view", "cast_into", "sum_rows"]
 
 #: Whether PyTorch is installed.
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -47,13 +47,6 @@ def cast_into(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     else:
         dst[...] = src
     return dst
-
-
-def scale_into(src: np.ndarray, scale: float, dst: np.ndarray) -> np.ndarray:
-    """``dst[...] = src * scale`` for float32 ``src``: the product rounded to float32, then to
-    ``dst``'s dtype (nearest even); returns ``dst``. (PyTorch's fused ``mul(out=float16)`` measured
-    4x slower than NumPy's product and a PyTorch cast on this CPU.)"""
-    return cast_into(np.multiply(src, src.dtype.type(scale)), dst)
 
 
 def sum_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:

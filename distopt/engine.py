@@ -194,13 +194,11 @@ class Engine:
             ValueError: a rank has joined and the strategy does not support ``join``.
         """
         params = list(params)
-        threshold = strategy.default_threshold if threshold is None else threshold
+        threshold = strategy.threshold(threshold)
         with self.context("parameter check"):
             layout, settled = self._agree(strategy, params, threshold, joined, grads)
-        pipeline = BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
-                                  self.comm, self.counters, self.context, views, bucket_view)
-        pipeline.settled = settled
-        return pipeline
+        return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
+                              self.comm, self.counters, self.context, views, bucket_view, settled)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place.

@@ -288,8 +288,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
     def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int | None) -> None:
         """The strategy's after-update (partial averaging) over the float ``params``."""
         floats = [p for p in params if is_float(p)]
-        threshold = strategy.default_threshold if threshold is None else threshold
-        strategy.after_update(UpdateContext(floats, threshold, self.comm, self.stats,
+        strategy.after_update(UpdateContext(floats, strategy.threshold(threshold), self.comm, self.stats,
                                             self.local.momentum_arrays, self.engine.average_arrays))
         self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
 

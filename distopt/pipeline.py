@@ -108,11 +108,15 @@ class BucketPipeline:
             bucket). Every bucket is reduced in place in its buffer; nothing
             is packed or unpacked, except that the slot of a missing (None)
             gradient is zeroed.
+        settled: the engine's ``Outcome`` when the step header already
+            settled the step (gradients known, present and finite
+            everywhere), else None.
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
-                 context: Callable[[str], Any], views: bool = True, bucket_view: bool = False) -> None:
+                 context: Callable[[str], Any], views: bool = True, bucket_view: bool = False,
+                 settled: Any = None) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
         self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
@@ -123,7 +127,7 @@ class BucketPipeline:
         self.flats: dict[int, tuple[Any, bool]] = {}
         self.started: dict[int, Any] = {}
         self.next = 0
-        self.settled: Any = None  # the engine's Outcome when the step header settled it
+        self.settled = settled
 
     def _ctx(self, b: int) -> BucketContext:
         return BucketContext(b, len(self.buckets), self.key, self.buckets[b], self.flats[b][1], self.comm,

@@ -18,7 +18,7 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CommunicatorClosedError
@@ -76,15 +76,27 @@ class CommunicatorState:
         self.close()
 
 
-@contextlib.contextmanager
-def timed(comm: CommunicatorState, label: str) -> Iterator[None]:
-    """Time a blocking call into ``comm.wait_seconds`` inside a profiler range ``label``."""
-    start = time.perf_counter()
-    try:
-        with profile_range(label):
-            yield
-    finally:
-        comm.wait_seconds += time.perf_counter() - start
+class timed:  # noqa: N801 (used as a function: ``with timed(comm, label):``)
+    """Time a blocking call into ``comm.wait_seconds`` inside a profiler range ``label``.
+
+    A plain class, not a generator: it wraps every collective, and small
+    collectives take microseconds.
+    """
+
+    __slots__ = ("comm", "range", "start")
+
+    def __init__(self, comm: CommunicatorState, label: str) -> None:
+        self.comm, self.range = comm, profile_range(label)
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+        self.range.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.range.__exit__(*exc)
+        finally:
+            self.comm.wait_seconds += time.perf_counter() - self.start
 
 
 def collective(method: F) -> F:
@@ -98,12 +110,10 @@ def collective(method: F) -> F:
         if self._in_call:  # a collective built from others (e.g. staged through the device): time it once
             return method(self, *args, **kwargs)
         self._in_call = True
-        start = time.perf_counter()  # as timed(), without a generator per call (small collectives are µs)
         try:
-            with profile_range(label):
+            with timed(self, label):
                 return method(self, *args, **kwargs)
         finally:
-            self.wait_seconds += time.perf_counter() - start
             self._in_call = False
 
     return call  # type: ignore[return-value]

@@ -58,12 +58,11 @@ _OPS: dict[tuple[np.dtype, str], Any] = {}
 
 
 def half_op(dtype: np.dtype, op: str) -> Any:
-    """A user-defined MPI op for a 16-bit float dtype (float32 inside, rounded once per combination),
-    created once per process (MPI limits their number). ``op``: ``"max"`` or ``"min"`` (or, for a
-    one-shot blocking call, ``"sum"``/``"avg"``)."""
+    """The user-defined MPI op for ``"max"`` or ``"min"`` of a 16-bit float dtype (sums are
+    :class:`HalfSum`), created once per process (MPI limits their number)."""
     key = (dtype, op)
     if key not in _OPS:
-        ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+        ufunc = {"max": np.maximum, "min": np.minimum}[op]
         _OPS[key] = _make_op(dtype, ufunc)
     return _OPS[key]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._fastcast import cast_into, scale_into
+from .._fastcast import cast_into
 from ._xp import is_cupy, xp
 
 WIRE_DTYPES = ("float16", "bfloat16")
@@ -41,8 +41,9 @@ def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
     """
     wire = _wire_dtype(wire_dtype, x)
     if isinstance(x, np.ndarray) and x.dtype == np.float32:  # fast kernels where PyTorch is installed
-        out = np.empty(x.shape, dtype=wire)  # the product rounded to float32, then to the wire dtype
-        return scale_into(np.ascontiguousarray(x), scale, out) if scale != 1 else cast_into(np.ascontiguousarray(x), out)
+        if scale != 1:  # the product rounded to float32, then to the wire dtype
+            x = np.multiply(x, x.dtype.type(scale))
+        return cast_into(np.ascontiguousarray(x), np.empty(x.shape, dtype=wire))
     if scale != 1:
         x = x * x.dtype.type(scale)
     return x.astype(wire)

@@ -131,6 +131,10 @@ class Strategy(ABC):
     per_rank_state: ClassVar[bool] = False
     default_threshold: ClassVar[int] = DEFAULT_THRESHOLD
 
+    def threshold(self, threshold: int | None) -> int:
+        """The fusion threshold in ELEMENTS of a step: ``threshold``, or :attr:`default_threshold` for None."""
+        return self.default_threshold if threshold is None else threshold
+
     def settings(self) -> dict[str, Any]:
         """The settings every rank must agree on (JSON-able; ``strategy`` is added by the engine)."""
         return {}

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from distopt import DistOpt  # noqa: E402
-from tests.test_torch_cases import _Boom as Boom  # noqa: E402
+from tests.failing_backward import FailingBackward  # noqa: E402
 
 B, STEPS = 3, 3
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
@@ -77,10 +77,10 @@ def test_h37_exception_in_backward_on_every_rank_recovers(world, overlap):
             x = torch.randn(4, 3, generator=g)
             key = ("mpi", overlap, trial, step)
             if step == 1:
-                Boom.armed["fail"].add(key)
+                FailingBackward.armed.add(key)
             opt.zero_grad()
             try:
-                (l2(Boom.apply(l1(x), key)) ** 2).sum().backward()
+                (l2(FailingBackward.apply(l1(x), key)) ** 2).sum().backward()
             except RuntimeError as exc:
                 assert "simulated" in str(exc)
                 opt.zero_grad()
@@ -110,9 +110,9 @@ def _bucket_view_run(world, view: bool, set_to_none: bool, overlap: bool, fail: 
         opt.zero_grad(set_to_none=set_to_none)
         key = ("bucket_view", view, set_to_none, overlap, step)
         if step == 1:
-            Boom.armed["fail"].add(key)
+            FailingBackward.armed.add(key)
         try:
-            torch.nn.functional.mse_loss(model[2](Boom.apply(torch.tanh(model[0](x)), key)), y).backward()
+            torch.nn.functional.mse_loss(model[2](FailingBackward.apply(torch.tanh(model[0](x)), key)), y).backward()
         except RuntimeError as exc:
             assert "simulated" in str(exc)
             opt.zero_grad(set_to_none=set_to_none)  # completes the reductions started on .grad memory first

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,20 @@ def run_job(argv: list[str], n: int, timeout: float, *, collective_timeout: floa
     finally:
         shutil.rmtree(progress, ignore_errors=True)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def rank_streams(out: str) -> dict[int, str]:
+    """Demultiplex ``mpiexec -l`` output into one text per rank.
+
+    Hydra labels every chunk it forwards (and every line inside a chunk) with
+    ``[R] ``, and chunks of different ranks interleave, even inside one
+    line of a traceback; text between two labels belongs to the first.
+    """
+    parts = re.split(r"\[(\d+)\] ", out)
+    streams: dict[int, list[str]] = {}
+    for rank, text in zip(parts[1::2], parts[2::2]):
+        streams.setdefault(int(rank), []).append(text)
+    return {r: "".join(chunks) for r, chunks in streams.items()}
 
 
 def run_mpi_suite(suite: str, n: int, timeout: float = 240.0, **kwargs) -> None:

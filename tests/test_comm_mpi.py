@@ -29,10 +29,12 @@ def test_timeout_names_the_rank_that_did_not_arrive():
     """Rank 1 skips a barrier: ranks 0 and 2 time out naming rank 1 and where it is."""
     import sys
 
-    from tests.harness import run_job
+    from tests.harness import rank_streams, run_job
 
     res = run_job([sys.executable, "-c", SKIP_ONE], n=3, timeout=60)
-    lines = [line for line in res.stdout.splitlines() if "TIMEOUT" in line]
-    assert len(lines) == 2, res.stdout[-4000:]
-    for line in lines:
+    streams = rank_streams(res.stdout)  # ranks' lines interleave, even mid-line
+    timed_out = {r for r, text in streams.items() if f"TIMEOUT {r} " in text}
+    assert timed_out == {0, 2}, res.stdout[-4000:]
+    for r in timed_out:
+        line = streams[r][streams[r].index(f"TIMEOUT {r} "):].splitlines()[0]
         assert "barrier #2" in line and "ranks that did not arrive: 1 (at all_reduce #1)" in line, line

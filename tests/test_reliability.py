@@ -35,7 +35,7 @@ import pytest
 from distopt.launch import WorkerFailedError, spawn
 from distopt.nccl_id import NcclIdHolder
 from tests.faults import shm_faults
-from tests.harness import MPI_DIR, run_job
+from tests.harness import MPI_DIR, rank_streams, run_job
 from tests.shm_workers import job_segments, pid_alive, run_with_killed_rank
 
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -68,24 +68,10 @@ def _timed_job(argv: list[str], n: int, limit: float = JOB_LIMIT,
     return res, time.monotonic() - start
 
 
-def _streams(out: str) -> dict[int, str]:
-    """Demultiplex ``mpiexec -l`` output into one text per rank.
-
-    Hydra labels every chunk it forwards (and every line inside a chunk) with
-    ``[R] ``, and chunks of different ranks interleave, even inside one
-    line of a traceback; text between two labels belongs to the first.
-    """
-    parts = re.split(r"\[(\d+)\] ", out)
-    streams: dict[int, list[str]] = {}
-    for rank, text in zip(parts[1::2], parts[2::2]):
-        streams.setdefault(int(rank), []).append(text)
-    return {r: "".join(chunks) for r, chunks in streams.items()}
-
-
 def _results(out: str) -> dict[int, str]:
     """``RESULT rank R: text`` lines printed by the fault scripts, by rank."""
     found = {}
-    for rank, text in _streams(out).items():
+    for rank, text in rank_streams(out).items():
         m = re.search(r"RESULT rank (\d+): (.*)", text)
         if m:
             assert int(m.group(1)) == rank
@@ -112,7 +98,7 @@ def test_h02_mpi_uncaught_exception_aborts_job():
     """
     tag = f"h02-{uuid.uuid4().hex}"
     res, secs = _timed_job(_script("h02_raise.py", "--timeout", "60", "--tag", tag), 3)
-    out, streams = res.stdout, _streams(res.stdout)
+    out, streams = res.stdout, rank_streams(res.stdout)
     assert secs < JOB_LIMIT
     assert res.returncode != 0, out[-3000:]
     rank1 = streams.get(1, "")
@@ -131,7 +117,7 @@ def test_h02_mpi_no_abort_survivors_time_out():
     """
     tag = f"h02-noabort-{uuid.uuid4().hex}"
     res, secs = _timed_job(_script("h02_raise.py", "--no-abort", "--timeout", str(DEADLINE), "--tag", tag), 3)
-    out, streams = res.stdout, _streams(res.stdout)
+    out, streams = res.stdout, rank_streams(res.stdout)
     assert secs < JOB_LIMIT
     assert res.returncode != 0, out[-3000:]
     assert "ValueError: boom" in streams.get(1, ""), out[-3000:]
@@ -173,8 +159,8 @@ def test_sigkill_mid_training_mpi():
                                    "--timeout", str(DEADLINE), "--tag", tag), 3)
     assert secs < JOB_LIMIT
     assert res.returncode != 0, res.stdout[-3000:]
-    assert "rank 1: SIGKILL at step 5" in _streams(res.stdout).get(1, ""), res.stdout[-3000:]
-    assert "finished 20 steps" not in "".join(_streams(res.stdout).values())
+    assert "rank 1: SIGKILL at step 5" in rank_streams(res.stdout).get(1, ""), res.stdout[-3000:]
+    assert "finished 20 steps" not in "".join(rank_streams(res.stdout).values())
     _no_leftovers(tag)
 
 
@@ -308,14 +294,14 @@ def _inner_suite(n: int, timeout: float = 60.0) -> str:
 @pytest.mark.timeout(90)
 def test_mpi_suite_w2_nonfinite_and_mismatch():
     """check_finite NaN/inf skipping on every rank (plain, half, sparse, partial) and mismatch messages at W=2."""
-    out = _streams(_inner_suite(2))[0]
+    out = rank_streams(_inner_suite(2))[0]
     assert "12 passed, 1 skipped" in out, out[-4000:]  # 8 non-finite, 4 mismatch; H24 skipped
 
 
 @pytest.mark.timeout(90)
 def test_mpi_suite_w4_h24_checkpoint_writer():
     """H24 at its stated W=4 (plus the size-agnostic tests again at W=4)."""
-    out = _streams(_inner_suite(4))[0]
+    out = rank_streams(_inner_suite(4))[0]
     assert "13 passed" in out and "skipped" not in out, out[-4000:]  # H24 really ran
 
 

@@ -18,6 +18,7 @@ still exchange well-formed blocks and the descriptors tell them apart.
 from __future__ import annotations
 
 import functools
+import struct
 
 import numpy as np
 
@@ -52,18 +53,34 @@ def block_bytes(size: int) -> int:
     return HEAD_BYTES + inline_bytes(size)
 
 
-def encode(head: np.ndarray, data: np.ndarray, kind: int, seq: int, count: int, code: int,
-           payload: np.ndarray | None) -> None:
-    """Write a descriptor into ``head`` (int64, the block's first 4 words) and an optional inline
-    ``payload`` (C-contiguous, any dtype, at most :func:`inline_bytes` bytes) into ``data`` (uint8,
-    the rest of the block)."""
-    head[0], head[1], head[2], head[3] = kind, seq, count, code
+_HEAD = struct.Struct("<4q")
+
+
+def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payload: np.ndarray | None) -> None:
+    """Write a descriptor and an optional inline ``payload`` into a control block.
+
+    Args:
+        block: uint8, shape ``(block_bytes(size),)``: this rank's control block.
+        kind, seq, count, code: the descriptor (the block's first four int64).
+        payload: C-contiguous array of any dtype, at most :func:`inline_bytes`
+            bytes, copied after the descriptor; None for none.
+    """
+    _HEAD.pack_into(block, 0, kind, seq, count, code)
     if payload is not None and payload.nbytes:
-        data[:payload.nbytes] = payload.reshape(-1).view(np.uint8)
+        end = HEAD_BYTES + payload.nbytes
+        if payload.dtype.isbuiltin == 1:  # a NumPy dtype: its buffer casts to bytes directly
+            block.data[HEAD_BYTES:end] = payload.data.cast("B")
+        else:  # a user dtype (bfloat16) exports no buffer format
+            block[HEAD_BYTES:end] = payload.reshape(-1).view(np.uint8)
 
 
 _UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 _BOOL_UFUNCS = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and}
+
+
+@functools.lru_cache(maxsize=64)
+def _sixteen_bit_float(dtype: np.dtype) -> bool:
+    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
 
 
 def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray) -> None:
@@ -79,15 +96,15 @@ def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray) -> None:
             backends' large path does).
         out: the result (the caller's array), written in place.
     """
-    flat = out.reshape(-1)
+    flat = out if out.ndim == 1 else out.reshape(-1)
     dtype = out.dtype
-    if dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16"):
+    if _sixteen_bit_float(dtype):
         acc = rows[0].astype(np.float32)
         for row in rows[1:]:
             _UFUNCS[op](acc, row, out=acc)
         flat[...] = acc.astype(dtype)
     else:
-        ufunc = _BOOL_UFUNCS[op] if dtype == np.bool_ else _UFUNCS[op]
+        ufunc = _BOOL_UFUNCS[op] if dtype.kind == "b" else _UFUNCS[op]
         if rows.shape[0] == 1:
             flat[...] = rows[0]
         else:  # rank order: the same bits on every rank

@@ -4,9 +4,10 @@ Each collective is issued non-blocking (``Iallreduce``, ``Ibcast``, ...) and
 tested against a deadline, so a rank that never arrives turns into a
 :class:`~distopt.errors.CollectiveTimeoutError` instead of a hang. Before the
 data moves, the ranks exchange a 4-integer descriptor (collective kind,
-sequence number, element count, dtype/op code) with one tiny ``Iallgather``;
-a difference raises :class:`~distopt.errors.CollectiveMismatchError` on every
-rank instead of a partial or garbled result. Small calls (up to 512 bytes per
+sequence number, element count, dtype/op code) with one small all-gather (a
+persistent collective, set up once: MPI 4's ``Allgather_init``); a difference
+raises :class:`~distopt.errors.CollectiveMismatchError` on every rank instead
+of a partial or garbled result. Small calls (up to 512 bytes per
 rank) carry their data in that same exchange (see
 :mod:`~distopt.comm.descriptor`): one collective per call. On a
 timeout, the error names the ranks that did not arrive and the collective
@@ -20,6 +21,7 @@ reduce-scatter, a float32 sum rounded once, and an all-gather
 """
 from __future__ import annotations
 
+import struct
 import time
 from typing import Any, Callable
 
@@ -60,6 +62,7 @@ _MPI_TYPES: dict[np.dtype, Any] = {
     np.dtype(np.uint64): MPI.UINT64_T,
     np.dtype(np.bool_): MPI.C_BOOL,
 }
+_WHERE = struct.Struct("<2q")  # this rank's (collective sequence number, kind) in the side channel
 _NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
 #: Seconds a wait polls MPI without sleeping before it starts backing off.
@@ -74,6 +77,28 @@ def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
     if mpi_type is MPI.UINT16_T and dtype != np.uint16:
         return half_op(dtype, op)
     return _NATIVE_OPS[op]
+
+
+def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[Any, Callable[[], Any]]:
+    """How the control block is all-gathered: a persistent collective (MPI 4's ``Allgather_init``,
+    set up once, then only started: less than half the cost of an ``Iallgather`` per call), or, on an
+    MPI library without persistent collectives, an ``Iallgather`` per call.
+
+    Returns:
+        The persistent request (None without one) and a function that starts one exchange and
+        returns its request.
+    """
+    spec = ([block, MPI.BYTE], [table, MPI.BYTE])
+    try:
+        request = comm.Allgather_init(*spec)
+    except NotImplementedError:  # mpi4py's answer when the MPI library predates MPI 4
+        return None, lambda: comm.Iallgather(*spec)
+
+    def start() -> Any:
+        request.Start()
+        return request
+
+    return request, start
 
 
 class MpiHandle:
@@ -136,13 +161,14 @@ class MPICommunicator(CommunicatorState):
         # peers read passively when a collective times out, to name the ranks that did not arrive
         self._win = MPI.Win.Allocate(16, disp_unit=8, comm=self._comm)
         self._win.Lock_all(MPI.MODE_NOCHECK)
-        self._where = np.frombuffer(self._win.tomemory(), dtype=np.int64)
-        self._where[:] = (0, -1)
+        self._where = self._win.tomemory()
+        _WHERE.pack_into(self._where, 0, 0, -1)
         self._inline = descriptor.inline_bytes(self.size)
         self._block = np.zeros(descriptor.block_bytes(self.size), dtype=np.uint8)
-        self._head, self._data = self._block[:descriptor.HEAD_BYTES].view(np.int64), self._block[descriptor.HEAD_BYTES:]
         self._table = np.empty((self.size, self._block.size), dtype=np.uint8)
+        self._persistent, self._start_exchange = _control_exchange(self._comm, self._block, self._table)
         self._heads = self._table.view(np.int64)[:, :4]  # every rank's descriptor, after an exchange
+        self._typed: dict[np.dtype, np.ndarray] = {}  # the table viewed as each dtype reduced inline
         close_at_exit(self)
 
     @property
@@ -152,6 +178,8 @@ class MPICommunicator(CommunicatorState):
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, request: Any, what: str) -> None:
+        if not self._halves.waiting and request.Test():  # the common case of a small call, cheaply
+            return
         # MPI advances a non-blocking collective only inside MPI calls: poll without sleeping for
         # BUSY_POLL seconds, then back off (yielding the core to oversubscribed ranks), bounded
         def expired() -> CollectiveTimeoutError:
@@ -199,20 +227,29 @@ class MPICommunicator(CommunicatorState):
         """
         if self._broken is not None:
             raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
-        self._seq += 1
-        self._where[:] = (self._seq, _KINDS.index(kind))
+        self._seq = seq = self._seq + 1
+        code_of_kind = _KINDS.index(kind)
+        _WHERE.pack_into(self._where, 0, seq, code_of_kind)
         self._win.Sync()
-        what = f"{kind} #{self._seq}"
-        descriptor.encode(self._head, self._data, _KINDS.index(kind), self._seq, count, code, payload)
-        everyone = self._table  # read by the caller before the next call
-        self._wait(self._comm.Iallgather([self._block, MPI.BYTE], [everyone, MPI.BYTE]), what)
+        what = f"{kind} #{seq}"
+        descriptor.encode(self._block, code_of_kind, seq, count, code, payload)
+        self._wait(self._start_exchange(), what)
         if not descriptor.same(self._heads):
             descriptor.check(self._heads.copy(), what)
-        return what, everyone[:, descriptor.HEAD_BYTES:]
+        return what, self._table[:, descriptor.HEAD_BYTES:]  # read by the caller before the next call
 
     def _rows(self, inline: np.ndarray, like: np.ndarray) -> np.ndarray:
         """Every rank's inline copy of an array like ``like``: shape ``(size, like.size)``."""
         return inline[:, :like.nbytes].copy().view(like.dtype)  # a copy: the table is reused by the next call
+
+    def _inline_rows(self, like: np.ndarray) -> np.ndarray:
+        """Every rank's inline copy of an array like ``like`` as a view into the table (no copy: read it
+        before the next call): shape ``(size, like.size)``."""
+        typed = self._typed.get(like.dtype)
+        if typed is None:  # blocks and the descriptor are multiples of 8 bytes, the largest item size
+            typed = self._typed[like.dtype] = self._table.view(like.dtype)
+        start = descriptor.HEAD_BYTES // like.itemsize
+        return typed[:, start:start + like.size]
 
     def _buffer(self, array: Any) -> tuple[Any, Any]:
         if not isinstance(array, np.ndarray):
@@ -242,8 +279,8 @@ class MPICommunicator(CommunicatorState):
         buf, mpi_type = self._buffer(array)
         code = _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
         if array.nbytes <= self._inline:
-            _, inline = self._agree("all_reduce", array.size, code, array)
-            descriptor.reduce_rows(self._rows(inline, array), op, array)
+            self._agree("all_reduce", array.size, code, array)
+            descriptor.reduce_rows(self._inline_rows(array), op, array)
             return array
         what, _ = self._agree("all_reduce", array.size, code)
         if array.size and self.size > 1:
@@ -361,6 +398,8 @@ class MPICommunicator(CommunicatorState):
         except CollectiveTimeoutError:
             return
         if vote[0]:
+            if self._persistent is not None:
+                self._persistent.Free()
             self._win.Unlock_all()
             self._win.Free()
             self._comm.Free()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar
 
+import numpy as np
+
 from .._array import is_cupy
 from .lifecycle import Completed
 
@@ -32,7 +34,7 @@ def staged(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: Any, array: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_cupy(array):
+        if type(array) is np.ndarray or not is_cupy(array):
             return method(self, array, *args, **kwargs)
         import cupy
 

@@ -46,10 +46,45 @@ def check_tensors_and_half(comm) -> None:
     assert comm.wait_seconds > 0
 
 
+def check_small_calls_take_one_collective(comm) -> None:
+    """A call of at most 512 bytes on CPU memory (e.g. the step header) travels inside its control
+    block: one torch.distributed collective; a larger one takes the block and then its own."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from distopt.comm import torchdist
+
+    calls = []
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    with mock.patch.object(torchdist, "_gather_flat", counted("gather", torchdist._gather_flat)), \
+            mock.patch.object(dist, "all_reduce", counted("all_reduce", dist.all_reduce)), \
+            mock.patch.object(dist, "broadcast", counted("broadcast", dist.broadcast)):
+        header = comm.all_gather(np.arange(6, dtype=np.int64) + comm.rank)
+        assert calls == ["gather"] * (comm.size > 1), calls
+        assert header.tolist() == [[r + i for i in range(6)] for r in range(comm.size)]
+        calls.clear()
+        metric = comm.all_reduce(np.full(64, comm.rank + 1.0), op="avg")  # 512 bytes: inline
+        flag = comm.broadcast(np.array([comm.rank + 7], dtype=np.int32), root=comm.size - 1)
+        comm.barrier()
+        assert calls == ["gather"] * (3 * (comm.size > 1)), calls
+        assert (metric == (comm.size + 1) / 2).all() and flag.tolist() == [comm.size + 6]
+        calls.clear()
+        comm.all_reduce(np.ones(65))  # 520 bytes: the block, then the all-reduce
+        assert calls == ["gather", "all_reduce"] * (comm.size > 1), calls
+
+
 def conformance_worker(holder, rank: int, size: int, port: int) -> None:  # noqa: ARG001 (spawn's signature)
     comm = make_comm(port, rank, size)
     conformance.run_all(comm)
     check_tensors_and_half(comm)
+    check_small_calls_take_one_collective(comm)
     comm.close()
 
 

@@ -14,7 +14,11 @@ Collectives return the caller's array type.
 Every collective first all-gathers a 4-integer descriptor (kind, sequence
 number, element count, dtype/op code) over gloo, so ranks that disagree get
 :class:`~distopt.errors.CollectiveMismatchError` on every rank instead of a
-garbled result. Waits on CPU work poll ``Work.is_completed()`` against the
+garbled result. The descriptor travels in a fixed-size control block (see
+:mod:`~distopt.comm.descriptor`), and a small call on CPU memory (up to 512
+bytes per rank: a step header, a metric, a broadcast flag) carries its data
+in that same block: one collective per call, reduced locally in rank order
+(16-bit floats in float32, rounded once). Waits on CPU work poll ``Work.is_completed()`` against the
 deadline (:func:`distopt.comm.wait.wait_until`): a missed deadline, or a
 peer that exited (gloo reports a closed connection), is a
 :class:`~distopt.errors.CollectiveTimeoutError`, after which the communicator
@@ -116,6 +120,31 @@ def _code(t: _Tensor, extra: int) -> int:
     return zlib.crc32(str(t.flat.dtype).encode()) * (1 << 24) + extra
 
 
+_ROW_OPS = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor) -> None:
+    """Reduce every rank's inline copy, in rank order, into ``out`` (the same bits on every rank).
+
+    Args:
+        rows: shape ``(size, out.numel())``, dtype ``out.dtype``: rank r's data in row r.
+        op: ``"sum"``, ``"avg"`` (the sum divided by the number of rows), ``"max"`` or ``"min"``;
+            booleans reduce as OR (sum, max) and AND (min); float16 and bfloat16 accumulate in
+            float32 and are rounded once (``"avg"`` then divides in the tensor's dtype).
+        out: flat CPU tensor, written in place.
+    """
+    if out.dtype == torch.bool:
+        ufunc = torch.logical_and if op == "min" else torch.logical_or
+    else:
+        ufunc = _ROW_OPS[op]
+    acc = rows[0].float() if out.dtype in (torch.float16, torch.bfloat16) else rows[0].clone()
+    for row in rows[1:]:
+        ufunc(acc, row, out=acc)
+    out.copy_(acc)
+    if op == "avg":
+        out.div_(rows.shape[0])
+
+
 class TorchHandle:
     """An all-reduce in flight (see :meth:`TorchCommunicator.all_reduce_async`)."""
 
@@ -199,6 +228,10 @@ class TorchCommunicator(CommunicatorState):
             self._group = dist.new_group(backend=backend, timeout=pg_timeout)
         self.rank: int = dist.get_rank(self._group)
         self.size: int = dist.get_world_size(self._group)
+        self._inline = descriptor.inline_bytes(self.size)
+        self._block = torch.zeros(descriptor.block_bytes(self.size), dtype=torch.uint8)
+        self._table = torch.empty((self.size, self._block.numel()), dtype=torch.uint8)
+        self._block_np, self._heads = self._block.numpy(), self._table.numpy().view(np.int64)[:, :4]
         for name, given, actual in (("rank", rank, self.rank), ("size", size, self.size)):
             if given is not None and int(given) != actual:
                 self.close()
@@ -227,20 +260,38 @@ class TorchCommunicator(CommunicatorState):
                 f"torch {what} on rank {self.rank} failed: {str(exc).splitlines()[0]} (a peer exited or timed "
                 "out); the communicator is unusable now") from exc
 
-    def _agree(self, kind: str, count: int, code: int) -> str:
-        """Exchange (kind, seq, count, code) over gloo; raise on every rank if ranks differ."""
+    def _agree(self, kind: str, count: int, code: int, payload: torch.Tensor | None = None) -> str:
+        """Exchange (kind, seq, count, code) and ``payload`` (a CPU tensor of at most ``self._inline``
+        bytes) in one control block over gloo; raise on every rank if ranks differ.
+
+        Every rank's block is in ``self._table`` afterwards (uint8, shape ``(size, block bytes)``)
+        until the next call.
+        """
         if self._broken is not None:
             raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
         self._seq += 1
         what = f"{kind} #{self._seq}"
+        data = None if payload is None else payload.reshape(-1).view(torch.uint8).numpy()
+        descriptor.encode(self._block_np, descriptor.KINDS.index(kind), self._seq, count, code, data)
         if self.size == 1:
+            self._table.copy_(self._block.reshape(1, -1))
             return what
-        mine = torch.tensor([descriptor.KINDS.index(kind), self._seq, count, code], dtype=torch.int64)
-        everyone = torch.empty(self.size * 4, dtype=torch.int64)
-        work = _gather_flat(everyone, mine, group=self._group, async_op=True)
-        self._complete(work, _Tensor(everyone), what)
-        descriptor.check(everyone.numpy().reshape(self.size, 4), what)
+        work = _gather_flat(self._table.reshape(-1), self._block, group=self._group, async_op=True)
+        self._complete(work, _Tensor(self._table), what)
+        if not descriptor.same(self._heads):
+            descriptor.check(self._heads.copy(), what)
         return what
+
+    def _small(self, t: _Tensor) -> bool:
+        """True when ``t`` travels inside the control block (CPU memory, at most ``self._inline`` bytes)."""
+        return not t.flat.is_cuda and t.flat.numel() * t.flat.element_size() <= self._inline
+
+    def _inline_rows(self, like: torch.Tensor) -> torch.Tensor:
+        """Every rank's inline copy of a flat tensor like ``like``, shape ``(size, like.numel())``: a view
+        into the table (read it before the next call)."""
+        nbytes = like.numel() * like.element_size()
+        head = descriptor.HEAD_BYTES
+        return self._table[:, head:head + nbytes].view(like.dtype)
 
     def _reduce_work(self, t: _Tensor, op: str) -> Any:
         dtype = t.flat.dtype
@@ -269,7 +320,12 @@ class TorchCommunicator(CommunicatorState):
         t = _Tensor(array)
         if t.flat.dtype not in _REDUCIBLE:
             self._reduce_work(t, op)  # raises the TypeError before any communication
-        what = self._agree("all_reduce", t.flat.numel(), _code(t, REDUCE_OPS.index(op)))
+        code = _code(t, REDUCE_OPS.index(op))
+        if self._small(t):
+            self._agree("all_reduce", t.flat.numel(), code, t.flat)
+            _reduce_rows(self._inline_rows(t.flat), op, t.flat)
+            return array
+        what = self._agree("all_reduce", t.flat.numel(), code)
         if t.flat.numel() and self.size > 1:
             self._complete(self._reduce_work(t, op), t, what)
         if op == "avg":
@@ -299,6 +355,10 @@ class TorchCommunicator(CommunicatorState):
         if not 0 <= root < self.size:
             raise ValueError(f"root must be in [0, {self.size}), got {root}")
         t = _Tensor(array)
+        if self._small(t):
+            self._agree("broadcast", t.flat.numel(), _code(t, root), t.flat if self.rank == root else None)
+            t.flat.copy_(self._inline_rows(t.flat)[root])
+            return array
         what = self._agree("broadcast", t.flat.numel(), _code(t, root))
         if t.flat.numel() and self.size > 1:
             src = dist.get_global_rank(self._group, root) if self._group is not None else root
@@ -316,6 +376,9 @@ class TorchCommunicator(CommunicatorState):
     def all_gather(self, array: Any) -> Any:
         """Gather equal-sized arrays; returns a new array of shape ``(size, *array.shape)``."""
         t = _Tensor(array)
+        if self._small(t):
+            self._agree("all_gather", t.flat.numel(), _code(t, 0), t.flat)
+            return t.back(self._inline_rows(t.flat).clone().reshape(self.size, *tuple(array.shape)))
         what = self._agree("all_gather", t.flat.numel(), _code(t, 0))
         return t.back(self._gather(t, what).reshape(self.size, *tuple(array.shape)))
 
@@ -335,10 +398,7 @@ class TorchCommunicator(CommunicatorState):
     @collective
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
-        what = self._agree("barrier", 0, 0)
-        if self.size > 1:
-            flag = _Tensor(torch.zeros(1, dtype=torch.int32))
-            self._complete(dist.all_reduce(flag.flat, group=self._group, async_op=True), flag, what)
+        self._agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
 
     def close(self) -> None:
         """Destroy the process group distopt created (the default one, or its own group); idempotent.

@@ -16,7 +16,7 @@ def is_cupy(array: Any) -> bool:
 
 def xp_of(array: Any) -> ModuleType:
     """The array module of ``array``: ``cupy`` for CuPy arrays, else ``numpy``."""
-    if is_cupy(array):
+    if type(array) is not np.ndarray and is_cupy(array):
         import cupy
 
         return cupy

@@ -130,7 +130,7 @@ class Engine:
             self.comm.broadcast(flat, root=0)
             if not viewed:
                 unpack(bucket, flat, params)
-        specs = tuple((p.shape, str(p.dtype)) for p in params)
+        specs = tuple((p.shape, p.dtype) for p in params)
         if specs != self._specs:  # the next step with these parameters needs no second broadcast
             self._specs, self._layouts = specs, {}
 
@@ -142,11 +142,11 @@ class Engine:
         """The step header (see the module docs); returns the layout for this step, and the step's
         outcome when the header settled it."""
         reverse = strategy.supports_overlap
-        specs = tuple((p.shape, str(p.dtype)) for p in params)
+        specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
                 "reverse": reverse, **strategy.describe()}
         if specs != self._specs_digest[0]:
-            self._specs_digest = (specs, digest([[list(shape), dtype] for shape, dtype in specs]))
+            self._specs_digest = (specs, digest([[list(shape), str(dtype)] for shape, dtype in specs]))
         unsettled = grads is None or any(g is None for p, g in zip(params, grads) if is_float(p))
         not_finite = self.check_finite and not unsettled and self._not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),

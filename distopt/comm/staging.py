@@ -56,7 +56,7 @@ def staged_async(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: Any, array: Any, op: str = "sum") -> Any:
-        if not is_cupy(array):
+        if type(array) is np.ndarray or not is_cupy(array):
             return method(self, array, op)
         return Completed(self.all_reduce(array, op))
 

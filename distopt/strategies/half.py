@@ -10,9 +10,9 @@ keeps small gradients from flushing to zero at the risk of overflow
 (fairscale PR 565 splits the factor; PyTorch's ``fp16_compress_hook``
 pre-divides by the world size).
 
-On the MPI backend float16/bfloat16 move as 16-bit words reduced by a
-user-defined op that adds in float32 and rounds once per combination; NCCL
-reduces them natively.
+On the MPI backend float16/bfloat16 move as 16-bit words: a reduce-scatter,
+a float32 sum of each chunk rounded once, and an all-gather
+(:mod:`distopt.comm.mpi_half`); NCCL and gloo reduce them natively.
 """
 from __future__ import annotations
 

@@ -61,7 +61,10 @@ def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payloa
 
     Args:
         block: uint8, shape ``(block_bytes(size),)``: this rank's control block.
-        kind, seq, count, code: the descriptor (the block's first four int64).
+        kind: the collective's code (index in :data:`KINDS`).
+        seq: the call's sequence number on this communicator.
+        count: the element count.
+        code: the dtype/op (or root) code.
         payload: C-contiguous array of any dtype, at most :func:`inline_bytes`
             bytes, copied after the descriptor; None for none.
     """

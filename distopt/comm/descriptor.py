@@ -34,8 +34,9 @@ KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
 #: Bytes of the descriptor at the start of a control block (four int64).
 HEAD_BYTES = 32
 
-#: Most BYTES of data one rank's control block carries inline. Larger blocks would make the
-#: descriptor exchange of every large call slower (an 8 KiB block costs twice a 512 B one).
+#: Most BYTES of data one rank's control block carries inline. Larger blocks make the descriptor
+#: exchange of every larger call slower (2 ranks, MPICH: 8.7 us for an 8 KiB block, 2.5 us for
+#: 512 B), and 2 KiB blocks measured no faster per call.
 MAX_INLINE_BYTES = 512
 
 #: Most BYTES all ranks' inline data may add up to (the block shrinks on large worlds).

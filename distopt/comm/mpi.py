@@ -189,9 +189,12 @@ class MPICommunicator(CommunicatorState):
                 f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
                 "of steps; the communicator is unusable now")
 
+        halves = self._halves
+
         def done() -> bool:  # every wait also starts the 16-bit sums' all-gathers that are due, in order
-            self._halves.drive()
-            return bool(request.Test())
+            if halves.waiting:
+                halves.drive()
+            return request.Test()
 
         wait_until(done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
 

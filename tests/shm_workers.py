@@ -42,15 +42,17 @@ def make_comm(nccl_id, rank: int, size: int, timeout: float = TIMEOUT) -> ShmCom
 
 
 def check_rank_order_sums(comm: ShmCommunicator) -> None:
-    """Float sums add in rank order, identically on every rank; float16 accumulates in float32."""
-    inputs = [np.random.default_rng(r).standard_normal(300_001).astype(np.float32)
-              for r in range(comm.size)]
-    expect = inputs[0].copy()
-    for x in inputs[1:]:
-        expect += x
-    a = inputs[comm.rank].copy()
-    comm.all_reduce(a)
-    np.testing.assert_array_equal(a, expect)
+    """Float sums add in rank order, identically on every rank, whether the array is reduced whole
+    (at most 8 KiB) or by reduce-scatter; float16 accumulates in float32."""
+    for n in (5, 2048, 2049, 300_001):  # 2048 float32 = 8 KiB: the largest reduced whole
+        inputs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(comm.size)]
+        expect = inputs[0].copy()
+        for x in inputs[1:]:
+            expect += x
+        for op, want in (("sum", expect), ("avg", expect / np.float32(comm.size))):
+            a = inputs[comm.rank].copy()
+            comm.all_reduce(a, op=op)
+            np.testing.assert_array_equal(a, want, err_msg=f"{n} elements, {op}")
     # 2048 + 1 + 1 + 1: float16 steps by 2 there, so float16 accumulation would stay at 2048
     h = np.full(3, 2048.0 if comm.rank == 0 else 1.0, np.float16)
     comm.all_reduce(h)

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--factor", type=int, default=4, help="size step (default x4); the largest size is always run")
     p.add_argument("--warmup", type=int, default=None,
                    help="warm-up iterations incl. the checked one (default 5; 2 quick)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; 5 quick)")
+    p.add_argument("--iters", type=int, default=None, help="most timed iterations per round (default 1000, so that microsecond calls are timed over ~1000 calls; 5 quick)")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds; time = best round's (max over ranks of the mean per-iteration time) "
                         "(default 3; 1 quick)")
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = 2 if args.quick else 5
     if args.iters is None:
-        args.iters = 5 if args.quick else 20
+        args.iters = 5 if args.quick else 1000
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     args.warmup = max(1, args.warmup)  # the first warm-up call is the checked one

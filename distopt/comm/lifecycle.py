@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ..errors import CommunicatorClosedError
 
-__all__ = ["collective", "timed", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState",
+__all__ = ["collective", "timed_call", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState",
            "Completed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -76,27 +76,21 @@ class CommunicatorState:
         self.close()
 
 
-class timed:  # noqa: N801 (used as a function: ``with timed(comm, label):``)
-    """Time a blocking call into ``comm.wait_seconds`` inside a profiler range ``label``.
+def timed_call(comm: CommunicatorState, label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` inside a profiler range ``label``, its wall time added to ``comm.wait_seconds``.
 
-    A plain class, not a generator: it wraps every collective, and small
-    collectives take microseconds.
+    Plain code, no context-manager object: it wraps every collective, and
+    small collectives take microseconds.
     """
-
-    __slots__ = ("comm", "range", "start")
-
-    def __init__(self, comm: CommunicatorState, label: str) -> None:
-        self.comm, self.range = comm, profile_range(label)
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-        self.range.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.range.__exit__(*exc)
-        finally:
-            self.comm.wait_seconds += time.perf_counter() - self.start
+    start = time.perf_counter()
+    try:
+        span = profile_range(label)
+        if span is _NULL:
+            return fn(*args, **kwargs)
+        with span:
+            return fn(*args, **kwargs)
+    finally:
+        comm.wait_seconds += time.perf_counter() - start
 
 
 def collective(method: F) -> F:
@@ -110,16 +104,10 @@ def collective(method: F) -> F:
         if self._in_call:  # a collective built from others (e.g. staged through the device): time it once
             return method(self, *args, **kwargs)
         self._in_call = True
-        start = time.perf_counter()
-        try:  # timed() inline: a small collective takes microseconds
-            span = profile_range(label)
-            if span is _NULL:
-                return method(self, *args, **kwargs)
-            with span:
-                return method(self, *args, **kwargs)
+        try:
+            return timed_call(self, label, method, self, *args, **kwargs)
         finally:
             self._in_call = False
-            self.wait_seconds += time.perf_counter() - start
 
     return call  # type: ignore[return-value]
 

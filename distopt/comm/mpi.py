@@ -44,7 +44,7 @@ from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as
 from .base import REDUCE_OPS, check_reduce_args
 from .staging import staged, staged_async
 from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
-from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .wait import Backoff, resolve_timeout, wait_until
 
 __all__ = ["MPICommunicator"]
@@ -120,8 +120,8 @@ class MpiHandle:
         """
         if self._request is not None:
             self._comm._check_open("all_reduce_async wait")
-            with timed(self._comm, "distopt.all_reduce_async.wait"):
-                self._comm._wait(self._request, f"all_reduce_async of {self._array.size} elements")
+            timed_call(self._comm, "distopt.all_reduce_async.wait", self._comm._wait, self._request,
+                       f"all_reduce_async of {self._array.size} elements")
             self._request = None
             if self._op == "avg":
                 np.divide(self._array, self._comm.size, out=self._array)
@@ -241,10 +241,6 @@ class MPICommunicator(CommunicatorState):
             descriptor.check(self._heads.copy(), what)
         return what, self._table[:, descriptor.HEAD_BYTES:]  # read by the caller before the next call
 
-    def _rows(self, inline: np.ndarray, like: np.ndarray) -> np.ndarray:
-        """Every rank's inline copy of an array like ``like``: shape ``(size, like.size)``."""
-        return inline[:, :like.nbytes].copy().view(like.dtype)  # a copy: the table is reused by the next call
-
     def _inline_rows(self, like: np.ndarray) -> np.ndarray:
         """Every rank's inline copy of an array like ``like`` as a view into the table (no copy: read it
         before the next call): shape ``(size, like.size)``."""
@@ -328,8 +324,8 @@ class MPICommunicator(CommunicatorState):
         buf, mpi_type = self._buffer(array)
         code = _dtype_code(array.dtype) * 64 + root
         if array.nbytes <= self._inline:
-            _, inline = self._agree("broadcast", array.size, code, array if self.rank == root else None)
-            array.reshape(-1)[...] = self._rows(inline, array)[root]
+            self._agree("broadcast", array.size, code, array if self.rank == root else None)
+            array.reshape(-1)[...] = self._inline_rows(array)[root]
             return array
         what, _ = self._agree("broadcast", array.size, code)
         if array.size and self.size > 1:
@@ -343,8 +339,8 @@ class MPICommunicator(CommunicatorState):
         buf, mpi_type = self._buffer(array)
         out = np.empty((self.size, *array.shape), dtype=array.dtype)
         if array.nbytes <= self._inline:
-            _, inline = self._agree("all_gather", array.size, _dtype_code(array.dtype), array)
-            out.reshape(self.size, -1)[...] = self._rows(inline, array)
+            self._agree("all_gather", array.size, _dtype_code(array.dtype), array)
+            out.reshape(self.size, -1)[...] = self._inline_rows(array)
             return out
         what, _ = self._agree("all_gather", array.size, _dtype_code(array.dtype))
         if array.size:

@@ -81,6 +81,7 @@ import _posixshmem
 import numpy as np
 
 from ..errors import BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError
+from . import descriptor
 from .base import REDUCE_OPS, check_reduce_args
 from .staging import staged
 from .lifecycle import CommunicatorState, collective
@@ -420,10 +421,10 @@ class ShmCommunicator(CommunicatorState):
         self._completed = c
 
     def _check_descriptors(self, op: str, c: int, desc: int) -> list[int]:
-        rows = self._rows[:, desc:desc + 4].tolist()
-        if op != "all_gather_v" and rows.count(rows[0]) == len(rows):  # every rank's is rank 0's
-            return [row[1] for row in rows]
-        kinds, counts, codes, args = (list(column) for column in zip(*rows))
+        heads = self._rows[:, desc:desc + 4]
+        if op != "all_gather_v" and descriptor.same(heads):  # every rank's is rank 0's
+            return heads[:, 1].tolist()
+        kinds, counts, codes, args = (heads[:, i].tolist() for i in range(4))
 
         def differs(values: list[int], label: str, show) -> None:
             if len(set(values)) > 1:

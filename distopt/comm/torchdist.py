@@ -49,7 +49,7 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
 from ..errors import CollectiveTimeoutError, DistOptError
 from . import descriptor
 from .base import REDUCE_OPS, check_reduce_args
-from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .wait import resolve_timeout, wait_until
 
 __all__ = ["TorchCommunicator", "TorchHandle"]
@@ -164,8 +164,8 @@ class TorchHandle:
         """
         if self._work is not None:
             self._comm._check_open("all_reduce_async wait")
-            with timed(self._comm, "distopt.all_reduce_async.wait"):
-                self._comm._complete(self._work, self._t, f"all_reduce_async of {self._t.flat.numel()} elements")
+            timed_call(self._comm, "distopt.all_reduce_async.wait", self._comm._complete, self._work, self._t,
+                       f"all_reduce_async of {self._t.flat.numel()} elements")
             self._work = None
             if self._op == "avg":
                 self._t.flat.div_(self._comm.size)

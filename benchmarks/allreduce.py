@@ -128,7 +128,7 @@ def make_backends(wanted: list[str], world: Any) -> tuple[list[Backend], dict[st
             comm, reason = None, ""
             try:
                 from distopt.comm.shm import ShmCommunicator
-                from distopt.nccl_id import new_job_id
+                from distopt.launch.nccl_id import new_job_id
 
                 job_id = world.bcast(new_job_id() + "-bench" if world.rank == 0 else None, root=0)
                 comm = ShmCommunicator(world.rank, world.size, job_id, timeout=60.0)

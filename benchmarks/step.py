@@ -238,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             variants.append(Variant(key, naive, close=raw.Free))
         elif key in ("layout", "layout_avg"):
             raw = world.Dup()
-            plan = distopt.buckets.plan_buckets([(g.shape, g.dtype) for g in master],
+            plan = distopt.core.buckets.plan_buckets([(g.shape, g.dtype) for g in master],
                                                distopt.strategies.Dense.default_threshold, 4194304, reverse=True,
-                                               first_bucket=distopt.engine.FIRST_BUCKET)
-            flats = [distopt.buckets.pack(b, master)[0].copy() for b in plan]
+                                               first_bucket=distopt.step.engine.FIRST_BUCKET)
+            flats = [distopt.core.buckets.pack(b, master)[0].copy() for b in plan]
 
             def layout(raw: Any = raw, flats: list[np.ndarray] = flats, avg: bool = key == "layout_avg") -> None:
                 for f in flats:

@@ -11,11 +11,11 @@ from .checkpoint import load, save
 from .data import DistributedSampler, eval_partition_indices, partition, partition_indices
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, DistOptError)
-from .logs import setup_logging
+from .launch.logs import setup_logging
 from .opt import DistOpt
-from .nccl_id import NcclIdHolder
+from .launch.nccl_id import NcclIdHolder
 from .optim import SGD
-from .world import World, init
+from .launch.world import World, init
 
 __all__ = [
     "DistOpt",

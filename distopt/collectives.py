@@ -1,30 +1,32 @@
-"""Collectives on the user's own arrays, objects and parameters, as methods of :class:`~distopt.DistOpt`."""
+"""Collectives on the user's own arrays, objects and parameters: what ``DistOpt.all_reduce`` and its
+siblings delegate to."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .buckets import is_float, plan_buckets
+from .core.buckets import is_float, plan_buckets
 from .comm.base import Communicator
-from .engine import DEFAULT_THRESHOLD
 from .metrics import all_gather_object, broadcast_object, reduce_metrics
+from .step.engine import DEFAULT_THRESHOLD, Engine
+from .step.local import LocalOptimizer
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .local import LocalOptimizer
-
-__all__ = ["CollectiveMethods"]
+__all__ = ["Collectives"]
 
 
-class CollectiveMethods:
-    """Mixin of :class:`~distopt.DistOpt`: raw collectives over its communicator."""
+class Collectives:
+    """Raw collectives over one DistOpt's communicator, and its parameter broadcast and averaging.
 
-    comm: Communicator
-    world_size: int
-    engine: Engine
-    local: LocalOptimizer
-    buff_size: int
+    Args:
+        comm: the communicator.
+        engine: the step engine (checked broadcasts, bucketed averaging).
+        local: the local optimizer (its parameters, and the shared order
+            of an array model's parameters).
+    """
+
+    def __init__(self, comm: Communicator, engine: Engine, local: LocalOptimizer) -> None:
+        self.comm, self.engine, self.local = comm, engine, local
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce of one array or contiguous torch tensor (sum by default), zero-copy.
@@ -77,7 +79,7 @@ class CollectiveMethods:
             self.comm.broadcast(vote, root=0)
             return bool(vote[0])
         self.comm.all_reduce(vote, op="sum")
-        return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.world_size)
+        return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.comm.size)
 
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values.
@@ -95,7 +97,7 @@ class CollectiveMethods:
                 parameter whose shape or dtype differs, or a count difference.
         """
         params = list(params)
-        self.engine.broadcast_params(params, {"world_size": self.world_size})
+        self.engine.broadcast_params(params, {"world_size": self.comm.size})
         self.local.remember(params)
 
     def average_params(self, params: Sequence[Any] | None = None) -> None:
@@ -106,14 +108,14 @@ class CollectiveMethods:
         """
         owned = self.local.arrays()
         floats = [p for p in (owned if params is None else params) if is_float(p)]
-        for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.buff_size):
+        for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.engine.buff_size):
             self.engine.average_arrays(bucket, floats, "parameter averaging")
 
 
 def _view(array: Any) -> Any:
     """A NumPy/CuPy view of a torch tensor (zero-copy); other arrays as they are."""
     if type(array).__module__.startswith("torch"):
-        from .torch import as_array
+        from .torch.adapter import as_array
 
         return as_array(array)
     return array

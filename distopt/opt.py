@@ -1,135 +1,91 @@
-"""DistOpt: wrap a local optimizer so every step averages gradients across ranks.
+"""DistOpt, the face: every public name is a one-line delegation to an owned, typed collaborator.
 
-DistOpt is the face: it holds one :class:`~distopt.strategies.Strategy`
-(default :class:`~distopt.strategies.Dense`), one
-:class:`~distopt.engine.Engine` and one
-:class:`~distopt.local.LocalOptimizer`. The engine lays out buckets,
-agrees with the other ranks and reduces; the strategy decides how a bucket
-travels; the local optimizer updates. SINGA's per-call methods live in
-:mod:`distopt.singa`.
+The collaborators: :class:`~distopt.step.runner.StepRunner` (the one step
+path), :class:`~distopt.torch.follower.Follower` (PyTorch's backward hooks
+and optimizer surface), :class:`~distopt.torch.model_sync.ModelSync` (the
+model's tensors), :class:`~distopt.collectives.Collectives` (raw
+collectives) and :class:`~distopt.step.state.StepState` (checkpoints).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
-from .accumulate import GradientAccumulator
-from .buckets import is_float
+from . import singa
+from .collectives import Collectives
 from .comm.base import Communicator
-from .counters import Counters
-from .engine import Engine
-from .failfast import install_abort_on_exception
-from .join import JoinMethods, LastStep
-from .local import checked_pairs, wrap_local
-from .autosync import AutoSync
-from .torch import TorchOptimizer
-from .model_sync import attach_model
-from .collectives import CollectiveMethods
-from .singa import SingaMethods
-from .state import STATE_FORMAT, StateMethods
-from .strategy_set import StrategySet
-from .strategies import Dense, Strategy, UpdateContext
-from .surface import SurfaceMethods
-from .world import World, comm_for
+from .core.counters import Counters
+from .launch.failfast import install_abort_on_exception
+from .launch.world import World, comm_for
+from .step.accumulate import GradientAccumulator
+from .step.engine import Engine
+from .step.local import ArrayOptimizer
+from .step.runner import StepRunner
+from .step.state import STATE_FORMAT, StepState
+from .step.strategy_set import StrategySet
+from .strategies import Dense, Strategy
+from .torch.adapter import TorchOptimizer, local_optimizer
+from .torch.bucket_views import check_bucket_view
+from .torch.follower import Follower
+from .torch.model_sync import ModelSync
 
 __all__ = ["DistOpt", "STATE_FORMAT"]
 
-class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, SingaMethods):
+
+class DistOpt:
     """Data-parallel wrapper around a local optimizer.
 
     Args:
-        opt: the local optimizer: :class:`distopt.SGD`, any object with
-            ``update(param, grad)`` (arrays updated in place), or a
-            ``torch.optim.Optimizer`` (its parameters are broadcast from rank
-            0 here, at construction).
-        nccl_id: the job's :class:`~distopt.nccl_id.NcclIdHolder` in the
-            multiprocessing launch mode; None under ``mpiexec``.
-        gpu_num: this process's device number on its node (rank in the
-            multiprocessing mode).
-        gpu_per_node: processes per node (world size in the multiprocessing
-            mode).
-        buffSize: capacity of one fusion buffer in ELEMENTS (default
-            4194304, i.e. 16 MiB of float32).
-        strategy: how :meth:`step` and :meth:`backward_and_update` average
-            (default :class:`~distopt.strategies.Dense`, the plain fused
-            all-reduce). Every rank must use the same strategy and settings.
-        backend: force ``"mpi"``, ``"shm"`` or ``"nccl"`` (see
-            :func:`distopt.world.build_world` for the default rule).
+        opt: the local optimizer: :class:`distopt.SGD`, any object with ``update(param, grad)``
+            (arrays updated in place), or a ``torch.optim.Optimizer`` (rank 0's parameters broadcast here).
+        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in
+            the multiprocessing launch mode; None under ``mpiexec``.
+        gpu_num: this process's device number on its node (rank in the multiprocessing mode).
+        gpu_per_node: processes per node (world size in the multiprocessing mode).
+        buffSize: capacity of one fusion buffer in ELEMENTS (default 4194304: 16 MiB of float32).
+        strategy: how :meth:`step` and :meth:`backward_and_update` average (default
+            :class:`~distopt.strategies.Dense`); the same strategy and settings on every rank.
+        backend: force a backend (see :func:`distopt.launch.world.build_world`).
         comm: an existing communicator to use instead of building one.
-        timeout: collective deadline in seconds (default
-            ``$DISTOPT_TIMEOUT`` or 300).
+        timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
         backward_passes_per_step: micro-batches accumulated locally per
             update (Horovod's name). Array models: their MEAN is all-reduced
             once per k calls (see :meth:`flush`). PyTorch: the first k-1
             ``loss.backward()`` calls accumulate in ``.grad``, the k-th
-            averages the sum (use ``loss / k``; see :mod:`distopt.autosync`).
-        check_finite: skip a step on EVERY rank when any rank's gradient has
-            a NaN or inf, counted in ``stats["skipped_steps"]``.
-        abort_on_exception: under MPI, make an uncaught exception on any
-            rank abort the whole job (printing its traceback) instead of
-            leaving the others blocked.
-        overlap: start each bucket's reduction during backward, as soon as
-            its gradients are ready, for strategies that support it (PyTorch
-            post-accumulate-grad hooks, or an array loss whose
-            ``backward()`` yields ``(param, grad)`` pairs). Results are
-            identical to ``overlap=False``. Not combined with
-            ``backward_passes_per_step > 1`` for array models.
-        model: the ``torch.nn.Module``: rank 0's parameters (all of them)
-            and buffers are broadcast here, and parameter names join the
-            cross-rank check. Without it only the optimizer's parameters
-            are broadcast; buffers never are.
+            averages the sum (use ``loss / k``).
+        check_finite: skip a step on EVERY rank when any rank's gradient has a NaN or inf.
+        abort_on_exception: under MPI, an uncaught exception on any rank
+            aborts the whole job (printing its traceback).
+        overlap: start each bucket's reduction during backward as soon as it
+            is ready (strategies that support it); results identical to False.
+        model: the ``torch.nn.Module``: rank 0's parameters and buffers are
+            broadcast here, names checked across ranks (without it: only the
+            optimizer's parameters, never buffers).
         broadcast_buffers: with ``model``, broadcast rank 0's buffers before
             each training-mode forward (DDP's default).
-        sparse_as_dense: densify sparse PyTorch gradients before averaging
-            (else a sparse gradient raises TypeError at the first backward).
+        sparse_as_dense: densify sparse PyTorch gradients (else TypeError at the first backward).
+        world: an existing :class:`~distopt.launch.world.World` to join.
         gradient_as_bucket_view: PyTorch DDP's option, for a
-            ``torch.optim.Optimizer`` only. True makes each trainable
-            parameter's ``.grad`` a view into its bucket's flat buffer (a
-            tensor of the parameter's dtype and device, allocated once per
-            bucket layout), so the buckets ARE the gradient memory: the
-            reduction runs in place on them and nothing is unpacked. The
-            engine then holds about 0 extra bytes instead of a second copy
-            of every gradient (1x the gradient bytes), and saves a copy in
-            and a copy out per step. Results are bitwise those of False.
-            A ``.grad`` that is not its view when its final gradient is
-            ready (the first step, after ``zero_grad(set_to_none=True)``,
-            PyTorch's default, or a ``.grad`` the user replaced) is copied
-            into the view and ``.grad`` set to the view (the fresh tensor is
-            then freed); one that is the view (``zero_grad(set_to_none=False)``,
-            ``no_sync()``, ``backward_passes_per_step``) is not copied. A
-            layout change (parameters added or removed, ``requires_grad``
-            switched) gives new buffers and new views. Caveats, as DDP's:
-            ``.grad`` is a view only after the first synchronizing backward
-            (measure the memory saved from then on); ``.grad.detach_()``
-            fails on a view (``torch.optim``'s ``zero_grad`` does not call
-            it on gradients without a graph); a ``.grad`` kept across steps
-            is overwritten by the next backward and reduction (clone it to
-            keep it). If a backward raises, the reductions it started run on
-            ``.grad`` memory and complete at the next ``zero_grad()`` of
-            DistOpt, ``step()`` or backward, writing the sum of the ranks'
-            partial gradients there: call DistOpt's ``zero_grad()`` (not
-            the inner optimizer's ``zero_grad(set_to_none=False)``) before
-            the next backward, and the next step is right on every rank.
-            ``backward_and_update(loss)`` then runs ``loss.backward()`` and
-            ``step()`` (an explicit ``threshold`` takes the engine's path,
-            without views); ``join()`` is not supported with it.
+            ``torch.optim.Optimizer`` only: each trainable parameter's
+            ``.grad`` becomes a view into its bucket's flat buffer, so the
+            buckets ARE the gradient memory (about 0 extra bytes instead of
+            a second copy of every gradient); bitwise the results of False.
+            Caveats as DDP's (see :mod:`distopt.torch.bucket_views` and
+            ``docs/porting.md``); ``join()`` is not supported with it.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
         rank_in_local / local_rank: its rank among the processes of its node.
         world_size: number of processes.
-        strategy: the strategy of :meth:`step` and :meth:`backward_and_update`.
-        active_strategy: the strategy the last step used (a SINGA method's
-            own strategy after such a call), where residuals and cursors live.
-        stats: a :class:`~distopt.counters.Counters` (``stats["wire_bytes"]``
-            works as before).
+        engine: the step engine (layout, agreement, bucket pipeline).
         sampler: a :class:`~distopt.data.DistributedSampler` whose epoch is
             saved in :meth:`state_dict` (assign it to include it).
 
     Raises:
         TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
         ValueError: ``buffSize < 1``, inconsistent rank arguments, or
-            ``gradient_as_bucket_view=True`` with an array (non-PyTorch)
-            optimizer or a strategy that reduces no gradients (partial).
+            ``gradient_as_bucket_view=True`` with an array optimizer or a
+            strategy that averages parameters (partial).
     """
 
     def __init__(self, opt: Any, nccl_id: Any = None, gpu_num: int | None = None,
@@ -143,44 +99,34 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a distopt.strategies.Strategy, got {type(strategy).__name__}")
-        self.local = wrap_local(opt)
-        torch_opt = isinstance(self.local, TorchOptimizer)
-        held = Dense() if strategy is None else strategy
-        if gradient_as_bucket_view and not torch_opt:
-            raise ValueError("gradient_as_bucket_view=True needs a torch.optim.Optimizer (it makes param.grad a "
-                             f"view into the bucket buffers); {type(opt).__name__} is an array optimizer: drop "
-                             "gradient_as_bucket_view")
-        if gradient_as_bucket_view and not held.reduces_gradients:
-            raise ValueError(f"gradient_as_bucket_view=True needs a strategy that reduces gradient buckets in place "
-                             f"(plain, half, sparse, dgc, powersgd), not {held.name!r}, which averages parameters "
-                             "after the update")
-        self._accumulator = (GradientAccumulator(backward_passes_per_step)
-                             if backward_passes_per_step != 1 and not torch_opt else None)
         self.opt = opt
-        comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
-                                                             comm, world)
-        self.comm = comm
-        self.rank_in_global, self.world_size = comm.rank, comm.size
+        self.local = local = local_optimizer(opt)
+        held = Dense() if strategy is None else strategy
+        if gradient_as_bucket_view:
+            check_bucket_view(local, held)
+        accumulator = (GradientAccumulator(backward_passes_per_step)
+                       if backward_passes_per_step != 1 and isinstance(local, ArrayOptimizer) else None)
+        self.comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
+                                                                  comm, world)
+        self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
-        self.engine = Engine(comm, int(buffSize), bool(check_finite), self._counters)
-        self._strategies = StrategySet(held)
-        self.active_strategy = self.strategy
+        self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters)
+        strategies = StrategySet(held)
+        self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
+        self._state = StepState(local, self._counters, strategies)
+        self._collectives = Collectives(self.comm, self.engine, local)
         self.sampler: Any = None
-        self.overlap = bool(overlap)
-        self._last: LastStep | None = None
-        self._joining = False
-        if abort_on_exception and comm.name == "mpi":
+        if abort_on_exception and self.comm.name == "mpi":
             install_abort_on_exception()
-        self.model = model
-        self._sync = (AutoSync(self, self.local, backward_passes_per_step, sparse_as_dense, None,
-                               bool(gradient_as_bucket_view)) if torch_opt else None)
-        owned = self.local.arrays()
-        if model is not None:
-            attach_model(self, model, broadcast_buffers)
-        elif owned is not None:
-            self.sync_params(owned)
+        self._follower: Follower | None = None
+        self._model: ModelSync | None = None
+        if isinstance(local, TorchOptimizer):
+            self._follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
+                                      bool(gradient_as_bucket_view))
+            self._model = ModelSync(self.comm, self.engine, local, model, broadcast_buffers)
+        elif model is not None:
+            raise TypeError("model= needs a torch.optim.Optimizer inside DistOpt")
 
-    # ------------------------------------------------------------- names
     @property
     def local_rank(self) -> int:
         """Rank among the processes of this node (alias of ``rank_in_local``)."""
@@ -193,7 +139,7 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
 
     @property
     def stats(self) -> Counters:
-        """What this rank's steps did (:class:`~distopt.counters.Counters`), with the communicator's
+        """What this rank's steps did (:class:`~distopt.core.counters.Counters`), with the communicator's
         seconds waited and host synchronisations."""
         self._counters.wait_seconds = float(getattr(self.comm, "wait_seconds", 0.0))
         self._counters.host_syncs = int(getattr(self.comm, "host_syncs", 0))
@@ -202,7 +148,22 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
     @property
     def strategy(self) -> Strategy:
         """The strategy of :meth:`step` and :meth:`backward_and_update`."""
-        return self._strategies.held
+        return self._runner.strategy
+
+    @property
+    def active_strategy(self) -> Strategy:
+        """The strategy the last step used (a SINGA method's own after such a call): its residuals and cursors."""
+        return self._runner.active_strategy
+
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets start during backward (strategies that support it)."""
+        return self._runner.overlap
+
+    @property
+    def model(self) -> Any:
+        """The ``torch.nn.Module`` given as ``model=`` (None without one)."""
+        return None if self._model is None else self._model.model
 
     @property
     def buff_size(self) -> int:
@@ -214,9 +175,17 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         """Whether steps with a non-finite gradient on some rank are skipped everywhere."""
         return self.engine.check_finite
 
-    # ------------------------------------------------------------ steps
-    def step(self, params: Any = None, grads: Sequence[Any] | None = None,
-             threshold: int | None = None) -> Any:
+    def _torch(self, what: str) -> Follower:
+        if self._follower is None:
+            raise TypeError(f"{what} needs a torch.optim.Optimizer inside DistOpt; this one wraps "
+                            f"{type(self.opt).__name__} (use step(params, grads) for array models)")
+        return self._follower
+
+    def _model_sync(self, what: str) -> ModelSync:
+        self._torch(what)
+        return self._model  # type: ignore[return-value]  (built with every follower)
+
+    def step(self, params: Any = None, grads: Sequence[Any] | None = None, threshold: int | None = None) -> Any:
         """Average ``grads`` across ranks with :attr:`strategy`, then update ``params``.
 
         PyTorch: ``step()`` or ``step(closure)`` is ``optimizer.step(closure)``
@@ -225,113 +194,201 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
         Args:
             params: arrays (NumPy or CuPy) in the same order on every rank.
             grads: one gradient per parameter (same shape), or None for a
-                parameter without a gradient this step. Given arrays are
-                overwritten with the average.
-            threshold: parameters with more than this many ELEMENTS are
-                reduced alone (in place when contiguous), smaller ones
-                fused into buffers of ``buffSize`` elements; None means
-                the strategy's ``default_threshold`` (65536 for plain and
-                half, whose results do not depend on the layout; SINGA's
-                2097152 for the others).
+                parameter without a gradient this step; overwritten with the average.
+            threshold: parameters of more than this many ELEMENTS are reduced
+                alone, smaller ones fused into buffers of ``buffSize``
+                elements; None: the strategy's ``default_threshold``.
 
         Raises:
+            TypeError: ``params``/``grads`` with a PyTorch optimizer.
             ValueError: ``params`` and ``grads`` differ in length or shape.
             CollectiveMismatchError / CollectiveTimeoutError: from the ranks'
-                agreement checks or a missed deadline, naming the step and
-                bucket; no parameter is changed then.
+                agreement or a missed deadline, naming the step and bucket;
+                no parameter is changed then.
         """
         if grads is None and (params is None or callable(params)):
-            return self._torch_step(params)
-        self._run(self.strategy, params, grads, threshold)
-        return None
+            return self._torch("step() without params").step(params)
+        return self._runner.run(self.strategy, params, grads, threshold)
 
     def backward_and_update(self, loss: Any, threshold: int | None = None) -> None:
         """Backward pass, reduction with :attr:`strategy`, local update (see :meth:`step`).
 
-        With ``overlap=True`` (the default) each bucket's reduction starts
-        during backward as soon as its gradients are ready.
-
         Args:
-            loss: for a PyTorch optimizer, the loss tensor (``loss.backward()``
-                runs, ``.grad`` is averaged in place, ``optimizer.step()``
-                runs). For array models, any object whose ``backward()``
-                yields ``(param, grad)`` pairs: in any order once
-                :meth:`sync_params` has fixed the shared parameter order,
-                else in the same order on every rank.
+            loss: a PyTorch loss tensor (``loss.backward()`` averages ``.grad``,
+                then ``optimizer.step()`` runs), or for array models any object
+                whose ``backward()`` yields ``(param, grad)`` pairs (in any order
+                once :meth:`sync_params` fixed the shared order).
             threshold: see :meth:`step` (elements).
         """
-        self._backward_run(self.strategy, loss, threshold)
+        self._backward(self.strategy, loss, threshold)
 
-    def _backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
-        if (self._sync is not None and strategy is self.strategy
-                and (self._sync.k > 1 or (self._sync.bucket_view and threshold is None))):
-            loss.backward()  # accumulates in .grad (bucket views with gradient_as_bucket_view); the k-th averages
-            if self._sync.passes == 0:
-                self.local.optimizer.step()  # type: ignore[attr-defined]
-            return
-        if self.overlap and strategy.supports_overlap and self._accumulator is None:
-            run = self.local.overlapped_backward(
-                loss, lambda params: self._begin(strategy, params, threshold, joined=self._joining))
-            if run is not None:
-                params, grads, pipeline = run
-                self.stats.buckets_started_in_backward += pipeline.next
-                self._last = LastStep(strategy, params, threshold)
-                self._step(strategy, params, grads, threshold, pipeline)
-                return
-        self._run(strategy, *self.local.backward(loss), threshold)
+    def _backward(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
+        if self._follower is not None:
+            return self._follower.backward_and_step(strategy, loss, threshold)
+        return self._runner.backward_run(strategy, loss, threshold)
 
-    def _begin(self, strategy: Strategy, params: list[Any], threshold: int | None, joined: bool = False,
-               views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False) -> Any:
-        strategy.bind(self.world_size, self.local)
-        return self.engine.begin(strategy, params, threshold, joined, views, grads, bucket_view)
+    def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None) -> list[Any]:
+        """Average ``grads`` in place with :attr:`strategy`, without updating; returns them (a new array where
+        a gradient was None and another rank had one; all None when ``check_finite`` skips the step).
 
-    def _after_update(self, strategy: Strategy, params: Sequence[Any], threshold: int | None) -> None:
-        """The strategy's after-update (partial averaging) over the float ``params``."""
-        floats = [p for p in params if is_float(p)]
-        strategy.after_update(UpdateContext(floats, strategy.threshold(threshold), self.comm, self.stats,
-                                            self.local.momentum_arrays, self.engine.average_arrays))
-        self.stats.dense_bytes += sum(int(p.nbytes) for p in floats)
+        Raises:
+            ValueError: the strategy averages parameters (partial), or ``params`` and ``grads`` do not match.
+        """
+        return self._runner.average(params, grads, threshold)
 
-    def _run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> None:
-        """Check arguments, accumulate micro-batches if asked, then step with ``strategy``."""
-        params, grads = checked_pairs(params, grads)
-        self.local.remember(params)  # the shared order of an array model's later overlapped backward
-        self._last = LastStep(strategy, params, threshold)
-        if self._accumulator is not None:
-            released = self._accumulator.add(grads)
-            if released is None:
-                return
-            grads = released
-        self._step(strategy, params, grads, threshold)
+    def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
+                  clipping: bool = False, clip_Value: float = 100.0, *, wire: str = "float16",
+                  predivide: float | None = None) -> None:
+        """Like :meth:`step`, with gradients as 16-bit floats (:class:`~distopt.strategies.Half`): ``wire``
+        ``"float16"`` or ``"bfloat16"``; ``clipping`` clips elements to ``[-clip_Value, clip_Value]``."""
+        self._runner.run(self._runner.per_call(singa.half(clipping, clip_Value, wire, predivide)), params, grads,
+                         threshold)
 
-    def _step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int | None,
-              pipeline: Any = None, active: bool = True) -> int:
-        """Reduce, update, run the strategy's after-update; returns the number of active ranks."""
-        self.active_strategy = strategy
-        self._strategies.restore(strategy)
-        if pipeline is None:
-            pipeline = self._begin(strategy, params, threshold, joined=self._joining, grads=grads)
-        if strategy.reduces_gradients:
-            outcome = self.engine.complete(pipeline, grads, active)
-            if outcome.applies:
-                self.stats.steps += 1
-                if any(outcome.present):
-                    self.local.apply(params, grads, outcome.present)
-            return outcome.active
-        outcome = self.engine.agree_on_gradients(params, grads, active, pipeline.settled)
-        if outcome.applies:
-            self.local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
-            self.stats.steps += 1
-            self._after_update(strategy, params, threshold)
-        return outcome.active
+    def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
+                    spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
+        """Like :meth:`step`, each bucket sparsified (:class:`~distopt.strategies.Sparse`; ValueError on every
+        rank for ``spars`` out of range)."""
+        self._runner.run(self._runner.per_call(singa.sparse(spars, topK, corr)), params, grads, threshold)
+
+    def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
+                     average_momentum: bool = False) -> None:
+        """Local update, then average one chunk of ``threshold`` elements (:class:`~distopt.strategies.Partial`)."""
+        self._runner.run(self._runner.per_call(singa.partial(average_momentum)), params, grads, threshold)
+
+    def backward_and_update_half(self, loss: Any, threshold: int | None = None, clipping: bool = False,
+                                 clip_Value: float = 100.0, *, wire: str = "float16",
+                                 predivide: float | None = None) -> None:
+        """Backward pass, then :meth:`step_half` (overlapped as ``backward_and_update``)."""
+        self._backward(self._runner.per_call(singa.half(clipping, clip_Value, wire, predivide)), loss, threshold)
+
+    def backward_and_partial_update(self, loss: Any, threshold: int | None = None,
+                                    average_momentum: bool = False) -> None:
+        """Backward pass, then :meth:`step_partial`."""
+        self._backward(self._runner.per_call(singa.partial(average_momentum)), loss, threshold)
+
+    def backward_and_sparse_update(self, loss: Any, threshold: int | None = None, spars: float = 0.05,
+                                   topK: bool = False, corr: bool = True) -> None:
+        """Backward pass, then :meth:`step_sparse`."""
+        self._backward(self._runner.per_call(singa.sparse(spars, topK, corr)), loss, threshold)
+
+    def flush(self) -> None:
+        """Apply a partial accumulation (``backward_passes_per_step=k``, array models) now, averaged over the
+        micro-batches it holds; call it on every rank at an epoch end. Does nothing without one."""
+        self._runner.flush()
+
+    def discard_accumulation(self) -> None:
+        """Drop a partial gradient accumulation (see :meth:`flush`)."""
+        self._runner.discard_accumulation()
+
+    @contextmanager
+    def join(self, params: Sequence[Any] | None = None) -> Iterator[None]:
+        """Let ranks with fewer batches finish early without hanging the others (Horovod's ``hvd.join``).
+
+        Around the training loop on every rank (``with opt.join(): for batch
+        in my_batches: ...``, counts may differ per rank). A rank that left
+        the loop answers the others' steps with zero gradients and applies
+        the same averaged update (sum over the ranks that contributed).
+
+        Args:
+            params: the parameters, for an array model that ran no step before joining.
+
+        Raises:
+            ValueError: nothing to shadow (no step yet and no ``params``), a
+                strategy without ``supports_join`` (every rank raises), or
+                ``gradient_as_bucket_view=True``.
+        """
+        follower = self._follower
+        if follower is not None and follower.views is not None:
+            raise ValueError("join() is not supported with DistOpt(..., gradient_as_bucket_view=True): a joined "
+                             "rank's shadow steps do not write into the bucket views")
+        with self._runner.join(None if follower is None else follower.shadow, params):
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad`` (PyTorch's default: gradients set to None)."""
+        self._torch("zero_grad()").zero_grad(set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (the same list: changing ``lr`` here changes it there)."""
+        return self._torch("param_groups").local.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state (``momentum_buffer``, Adam's moments)."""
+        return self._torch("state").local.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's default hyper-parameters."""
+        return self._torch("defaults").local.optimizer.defaults
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer and take rank 0's values for it (collective)."""
+        self._model_sync("add_param_group()").add_param_group(group, self._torch("add_param_group()").on_grad)
+
+    def no_sync(self) -> Any:
+        """DDP's accumulation idiom: backward passes inside accumulate in ``.grad`` without communicating;
+        the first backward after the block (or ``step()``) averages the accumulated sum."""
+        return self._torch("no_sync()").no_sync()
+
+    def sync_buffers(self, mode: str = "broadcast", root: int = 0) -> None:
+        """Synchronize the model's buffers now: ``"broadcast"`` ``root``'s, or ``"average"`` the float ones
+        (integer ones from rank 0). ValueError without ``model=`` or for another ``mode``."""
+        if self._model is None:
+            raise ValueError("sync_buffers() needs DistOpt(..., model=model)")
+        self._model.sync_buffers(mode, root)
+
+    def broadcast_state(self, root: int = 0) -> None:
+        """Give every rank ``root``'s parameters, buffers (with ``model=``) and inner optimizer state
+        (Horovod's ``broadcast_parameters`` plus ``broadcast_optimizer_state``)."""
+        self._model_sync("broadcast_state()").broadcast_state(root)
+
+    def all_reduce(self, array: Any, op: str = "sum") -> Any:
+        """In-place all-reduce of one array or contiguous tensor; returns it (see :class:`~distopt.collectives.Collectives`)."""
+        return self._collectives.all_reduce(array, op)
+
+    def broadcast(self, array: Any, root: int = 0) -> Any:
+        """In-place broadcast of one array or contiguous tensor from ``root``; returns it."""
+        return self._collectives.broadcast(array, root)
+
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Sum metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
+        return self._collectives.all_reduce_metrics(metrics, mean)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank."""
+        return self._collectives.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s picklable object, on every rank."""
+        return self._collectives.broadcast_object(obj, root)
+
+    def agree(self, flag: bool, rule: str = "any") -> bool:
+        """A decision every rank takes together: ``rule`` ``"any"``, ``"all"`` or ``"root"`` (rank 0's vote)."""
+        return self._collectives.agree(flag, rule)
+
+    def sync_params(self, params: Sequence[Any]) -> None:
+        """Check that all ranks hold the same parameters, then broadcast rank 0's values (array models,
+        once before the first forward pass). CollectiveMismatchError on every rank for a difference."""
+        self._collectives.sync_params(params)
+
+    def average_params(self, params: Sequence[Any] | None = None) -> None:
+        """Average all (float) parameters across ranks at once, in place (``params`` optional with PyTorch)."""
+        self._collectives.average_params(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue (see :class:`~distopt.step.state.StepState`)."""
+        return self._state.state_dict(self.sampler)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ValueError for another format (an older distopt)."""
+        self._state.load_state_dict(state, self.sampler)
 
     def close(self) -> None:
-        """Release the communicator and the reduction thread; a second call does nothing.
-
-        Afterwards every collective raises
-        :class:`~distopt.errors.CommunicatorClosedError` on every rank; the
-        hooks it put on the model's tensors and the optimizer are removed.
-        """
+        """Release the communicator and the reduction thread (a second call does nothing); every later
+        collective raises :class:`~distopt.errors.CommunicatorClosedError` on every rank. The hooks on the
+        model's tensors and the optimizer are removed."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         self.engine.close()
         self.comm.close()
@@ -341,4 +398,3 @@ class DistOpt(StateMethods, SurfaceMethods, CollectiveMethods, JoinMethods, Sing
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ._array import xp_of
+from .core._array import xp_of
 
 __all__ = ["SGD"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._array import is_cupy
+from .core._array import is_cupy
 
 __all__ = ["to_portable", "from_portable", "HAVE_TORCH"]
 

@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_dir(args.data_dir)  # a clear SystemExit before any MPI start-up
     if args.device == "cuda":  # one GPU per process, gradients over NCCL
-        info = distopt.ranks.resolve()
-        index = distopt.ranks.device_index(info.local_rank, os.environ, local_size=info.local_size)
+        info = distopt.launch.ranks.resolve()
+        index = distopt.launch.ranks.device_index(info.local_rank, os.environ, local_size=info.local_size)
         train(args, make_opt=lambda sgd, **kw: distopt.DistOpt(sgd, backend="nccl", **kw), device=f"cuda:{index}")
     else:
         train(args)

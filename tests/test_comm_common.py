@@ -11,8 +11,8 @@ from distopt.comm import create
 from distopt.comm.shm import ShmCommunicator
 from distopt.comm.wait import Backoff, resolve_timeout, wait_until
 from distopt.errors import BackendUnavailableError, CollectiveTimeoutError, CommunicatorClosedError
-from distopt.logs import setup_logging
-from distopt.nccl_id import NcclIdHolder
+from distopt.launch.logs import setup_logging
+from distopt.launch.nccl_id import NcclIdHolder
 
 
 @pytest.mark.parametrize("raw", ["-5", "0", "abc", "inf", "nan", ""])

@@ -419,7 +419,7 @@ def check_mpiexec_one_node(block: Block, tmp_path: Path, cnn_smoke=None) -> None
 RANKS_PROBE = textwrap.dedent("""
     import distopt, json, sys
     from mpi4py import MPI
-    info = distopt.ranks.resolve(mpi_comm=MPI.COMM_WORLD)
+    info = distopt.launch.ranks.resolve(mpi_comm=MPI.COMM_WORLD)
     line = "PROBE " + json.dumps([info.source, info.global_rank, info.world_size, info.local_rank]) + "\\n"
     sys.stdout.write(line)  # one write per line: the ranks share the terminal
 """)
@@ -675,12 +675,12 @@ def test_mkdocs_build_strict(site: Path):
 
 
 REFERENCED_MODULES = ["distopt", "distopt.comm", "distopt.comm.base", "distopt.comm.mpi", "distopt.comm.shm",
-                      "distopt.ranks", "distopt.data", "distopt.metrics", "distopt.launch", "distopt.checkpoint",
-                      "distopt.compress", "distopt.strategies", "distopt.torch", "distopt.optim", "distopt.errors",
-                      "distopt.nccl_id", "distopt.world", "distopt.engine", "distopt.pipeline",
-                      "distopt.local", "distopt.counters", "distopt.singa", "distopt.collectives",
-                      "distopt.strategy_set", "distopt.autosync", "distopt.model_sync", "distopt.surface",
-                      "distopt.state", "distopt.join", "distopt.portable", "distopt.logs"]
+                      "distopt.launch.ranks", "distopt.data", "distopt.metrics", "distopt.launch", "distopt.checkpoint",
+                      "distopt.compress", "distopt.strategies", "distopt.torch.adapter", "distopt.optim", "distopt.errors",
+                      "distopt.launch.nccl_id", "distopt.launch.world", "distopt.step.engine", "distopt.step.pipeline",
+                      "distopt.step.local", "distopt.core.counters", "distopt.singa", "distopt.collectives",
+                      "distopt.step.strategy_set", "distopt.torch.follower", "distopt.torch.model_sync", "distopt.torch.surface",
+                      "distopt.step.state", "distopt.step.join", "distopt.portable", "distopt.launch.logs"]
 
 
 def test_reference_covers_public_names(site: Path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from distopt.launch import WorkerFailedError, progress, spawn
-from distopt.nccl_id import NcclIdHolder
+from distopt.launch.nccl_id import NcclIdHolder
 from tests import shm_workers
 from tests.shm_workers import job_segments, pid_alive
 

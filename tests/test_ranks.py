@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from distopt.ranks import RankInfo, device_index, from_env, from_explicit, from_hosts, resolve
+from distopt.launch.ranks import RankInfo, device_index, from_env, from_explicit, from_hosts, resolve
 from tests.harness import MPI_DIR, run_job
 
 

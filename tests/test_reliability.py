@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from distopt.launch import WorkerFailedError, spawn
-from distopt.nccl_id import NcclIdHolder
+from distopt.launch.nccl_id import NcclIdHolder
 from tests.faults import shm_faults
 from tests.harness import MPI_DIR, rank_streams, run_job
 from tests.shm_workers import job_segments, pid_alive, run_with_killed_rank

@@ -10,7 +10,7 @@ from distopt.comm import create
 from distopt.comm.shm import ShmCommunicator, unlink_segments
 from distopt.errors import CollectiveTimeoutError
 from distopt.launch import spawn
-from distopt.nccl_id import NcclIdHolder
+from distopt.launch.nccl_id import NcclIdHolder
 from tests import shm_workers
 from tests.shm_workers import job_segments
 

@@ -19,7 +19,7 @@ from tests.gpu import require_device  # noqa: E402
 def comm(request):
     require_device()
     from distopt.comm import create
-    from distopt.nccl_id import NcclIdHolder
+    from distopt.launch.nccl_id import NcclIdHolder
 
     c = create("mpi") if request.param == "mpi" else create("shm", rank=0, size=1, job_id=NcclIdHolder().job_id)
     yield c

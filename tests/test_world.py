@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distopt import world
+from distopt.launch import world
 from distopt.comm.single import SingleCommunicator
 from tests import conformance
 from tests.harness import ROOT, run_job

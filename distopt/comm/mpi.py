@@ -38,7 +38,7 @@ except RuntimeError as exc:  # mpi4py 4 loads libmpi at import: "cannot load MPI
     ) from exc
 
 from ..errors import CollectiveTimeoutError, DistOptError
-from .._fastcast import cast_into
+from ..core._fastcast import cast_into
 from . import descriptor
 from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
 from .base import REDUCE_OPS, check_reduce_args

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .._fastcast import cast_into, sum_rows
+from ..core._fastcast import cast_into, sum_rows
 
 __all__ = ["half_dtypes", "half_op", "HalfSum", "HalfQueue"]
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from .._array import is_cupy
+from ..core._array import is_cupy
 from .lifecycle import Completed
 
 __all__ = ["staged", "staged_async"]

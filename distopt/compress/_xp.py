@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import is_cupy
-from .._array import xp_of as xp
+from ..core._array import is_cupy
+from ..core._array import xp_of as xp
 
 __all__ = ["is_cupy", "xp", "index_dtype"]
 

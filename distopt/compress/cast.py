@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._fastcast import cast_into
+from ..core._fastcast import cast_into
 from ._xp import is_cupy, xp
 
 WIRE_DTYPES = ("float16", "bfloat16")

@@ -1,19 +1,27 @@
 """Strategies: how gradients (or parameters) are averaged across ranks, one module each.
 
-:class:`Strategy` is the interface the step engine drives; :class:`Dense`
-(plain all-reduce, the default), :class:`Half` (16-bit wire),
-:class:`Sparse` (top-K / threshold with error feedback),
-:class:`Partial` (one chunk of parameters per step), :class:`DGC` (Deep
-Gradient Compression) and :class:`PowerSGD` (rank-r low-rank compression)
-implement it.
+:class:`GradientStrategy` (per bucket) and :class:`ParameterAverager`
+(after the local update) are the two kinds of :class:`Strategy` the step
+path drives; :class:`Dense` (plain all-reduce, the default), :class:`Half`
+(16-bit wire), :class:`Sparse` (top-K / threshold with error feedback),
+:class:`DGC` (Deep Gradient Compression) and :class:`PowerSGD` (rank-r
+low-rank compression) are gradient strategies, :class:`Partial` (one chunk
+of parameters per step) a parameter averager. :class:`Residuals`
+(:mod:`~distopt.strategies.memory`) is the error-feedback memory of the
+compressing ones; :data:`REGISTRY` lists every strategy with example
+configurations.
 """
-from .base import BucketContext, Done, Strategy, UpdateContext
+from .base import (NOT_STARTED, BucketContext, Done, GradientStrategy, Handle, LocalInfo, NotStarted,
+                   ParameterAverager, Strategy, UpdateContext)
 from .dense import Dense
 from .dgc import DGC
 from .half import Half
+from .memory import Residuals
 from .partial import ChunkCursor, Partial
 from .powersgd import PowerSGD
-from .sparse import Residuals, Sparse, average_sparse
+from .registry import REGISTRY, Example, register
+from .sparse import Sparse, average_sparse
 
-__all__ = ["Strategy", "BucketContext", "UpdateContext", "Done", "Dense", "Half", "Sparse", "Partial", "DGC",
-           "PowerSGD", "ChunkCursor", "Residuals", "average_sparse"]
+__all__ = ["Strategy", "GradientStrategy", "ParameterAverager", "LocalInfo", "BucketContext", "UpdateContext",
+           "Done", "Handle", "NotStarted", "NOT_STARTED", "Dense", "Half", "Sparse", "Partial", "DGC", "PowerSGD",
+           "ChunkCursor", "Residuals", "average_sparse", "REGISTRY", "Example", "register"]

@@ -3,37 +3,89 @@
 The step engine (:mod:`distopt.engine`) packs gradients into buckets that
 every rank lays out identically, then drives a :class:`Strategy` per bucket:
 
-1. :meth:`Strategy.start` is called in bucket order, as soon as a bucket's
-   gradients are final (during backward when the strategy supports
-   overlap, else after it). It may start an asynchronous collective
-   through :meth:`BucketContext.launch` and returns whatever
-   :meth:`Strategy.finish` needs.
+1. :meth:`GradientStrategy.start` is called in bucket order, as soon as a
+   bucket's gradients are final (during backward when the strategy
+   supports overlap, else after it). It may start an asynchronous
+   collective through :meth:`BucketContext.launch` and returns a
+   :class:`Handle` (:data:`NOT_STARTED` when the work waits for
+   :meth:`GradientStrategy.finish`).
 2. After every bucket has started, the ranks agree on which gradients exist
    and whether to skip the step (one small all-reduce).
-3. :meth:`Strategy.finish` waits for the bucket and writes the cross-rank
-   average into the bucket's flat buffer (or leaves the division to the
-   unpack, see :class:`Done`).
-4. The local optimizer updates; then :meth:`Strategy.after_update` runs
-   (partial synchronization averages parameters there).
+3. :meth:`GradientStrategy.finish` waits for the handle and writes the
+   cross-rank average into the bucket's flat buffer (or leaves the
+   division to the unpack, see :class:`Done`); a skipped step calls
+   :meth:`GradientStrategy.abandon` instead.
+4. :meth:`GradientStrategy.end_of_step` runs once, after the last bucket.
+
+A :class:`ParameterAverager` reduces no gradient: every rank updates with
+its own, then :meth:`ParameterAverager.after_update` averages parameters.
 
 A strategy owns its state (residuals, cursors) and exposes it through
-``state_dict`` / ``load_state_dict``. Adding a strategy is one new module
-with a subclass; neither the engine nor :class:`~distopt.DistOpt` changes.
+``state_dict`` / ``load_state_dict``; it reports its own counters through
+:meth:`distopt.core.counters.Counters.add` (names declared in
+:attr:`Strategy.counter_names`). Adding a strategy is one new module with a
+subclass, and one entry in :mod:`distopt.strategies.registry`; neither the
+engine, the counters nor :class:`~distopt.DistOpt` changes.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence
 
-from ..buckets import DEFAULT_THRESHOLD, Bucket
+from ..core.buckets import DEFAULT_THRESHOLD, Bucket
 
 if TYPE_CHECKING:
     from ..comm.base import Communicator
-    from ..counters import Counters
-    from ..local import LocalOptimizer
+    from ..core.counters import Counters
 
-__all__ = ["Strategy", "BucketContext", "UpdateContext", "Done"]
+__all__ = ["Strategy", "GradientStrategy", "ParameterAverager", "LocalInfo", "BucketContext", "UpdateContext",
+           "Done", "Handle", "NotStarted", "NOT_STARTED"]
+
+
+class LocalInfo(Protocol):
+    """What a strategy may ask of the local optimizer (:meth:`Strategy.bind`, :class:`UpdateContext`)."""
+
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:
+        """The momentum buffer of each parameter (None where there is none yet); ValueError if the
+        optimizer has no momentum buffers at all."""
+
+    def momentum_factors(self) -> list[tuple[str, float]]:
+        """``(where, value)`` of every momentum setting of the optimizer, e.g.
+        ``("torch.optim.SGD.param_groups[0]['momentum']", 0.9)``; empty without one."""
+
+
+class Handle(Protocol):
+    """A bucket's reduction in progress: what :meth:`GradientStrategy.start` returns, :meth:`~GradientStrategy.finish` takes.
+
+    The pipeline calls :meth:`test` while backward runs (MPI progresses a
+    non-blocking collective only inside MPI calls) and may :meth:`wait`
+    early to bound the reductions in flight; :meth:`wait` may be called
+    more than once. The handles of :meth:`BucketContext.launch` are
+    Handles.
+    """
+
+    def test(self) -> bool:
+        """True once the reduction has completed (never blocks)."""
+
+    def wait(self) -> Any:
+        """Block until the reduction has completed; returns its result (the reduced array)."""
+
+
+class NotStarted(NamedTuple):
+    """The :class:`Handle` of a bucket whose whole reduction runs in :meth:`GradientStrategy.finish`
+    (sparse, DGC, PowerSGD: after the ranks agreed on the step, so a skipped step changes no state)."""
+
+    def test(self) -> bool:
+        """Always True: nothing is in flight."""
+        return True
+
+    def wait(self) -> None:
+        """Returns at once: nothing is in flight."""
+
+
+NOT_STARTED = NotStarted()
+"""The one :class:`NotStarted` handle."""
 
 
 class Done(NamedTuple):
@@ -63,10 +115,12 @@ class BucketContext:
         viewed: True when the flat buffer is the gradient itself (a lone
             contiguous gradient), False when it is a packed copy.
         comm: the communicator (blocking collectives).
-        launch: ``launch(array, op)`` starts an all-reduce and returns a
-            handle with ``test()`` and ``wait()`` (which returns the reduced
-            array); asynchronous where the backend allows it.
-        counters: the step counters (``stats``) a strategy may add to.
+        launch: ``launch(array, op)`` starts an all-reduce (``op`` as
+            :meth:`Communicator.all_reduce`) and returns its :class:`Handle`,
+            whose ``wait()`` returns the reduced array; asynchronous where
+            the backend allows it.
+        counters: the step counters (``stats``); a strategy reports its own
+            counts with ``counters.add(name, n)``.
     """
 
     index: int
@@ -75,7 +129,7 @@ class BucketContext:
     bucket: Bucket
     viewed: bool
     comm: Communicator
-    launch: Callable[[Any, str], Any]
+    launch: Callable[[Any, str], Handle]
     counters: Counters
 
 
@@ -105,7 +159,11 @@ class UpdateContext:
 
 
 class Strategy(ABC):
-    """One way of averaging gradients (or parameters) across ranks.
+    """What every strategy has: a name, the settings ranks agree on, state, and what it supports.
+
+    Two kinds exist; a strategy subclasses exactly one of them:
+    :class:`GradientStrategy` (per bucket, during or after backward) and
+    :class:`ParameterAverager` (after the local update).
 
     Class attributes:
         name: short snake_case name, part of the settings ranks agree on.
@@ -114,22 +172,28 @@ class Strategy(ABC):
             gradients) with a small first bucket, as PyTorch DDP.
         supports_join: ranks that left a ``join()`` loop can shadow this
             strategy with zero gradients.
-        reduces_gradients: False for strategies that average parameters
-            after the local update instead (:class:`~distopt.strategies.Partial`).
         per_rank_state: the state differs per rank (error-feedback
             residuals): checkpoints store it once per rank.
         default_threshold: the fusion threshold in ELEMENTS of a step
             called without one (SINGA's 2097152; 65536 for strategies whose
             result does not depend on the bucket layout, so large
             gradients are reduced in place instead of copied).
+        identical_replicas: every rank holds bitwise the same parameters
+            after each step (False for a strategy that lets replicas drift
+            between averages: call ``DistOpt.average_params`` before
+            evaluating or saving).
+        counter_names: the counters this strategy reports through
+            ``counters.add`` (read in ``DistOpt.stats``), e.g.
+            ``("sparse_entries", "sparse_dense_fallbacks")``.
     """
 
     name: ClassVar[str]
     supports_overlap: ClassVar[bool] = False
     supports_join: ClassVar[bool] = False
-    reduces_gradients: ClassVar[bool] = True
     per_rank_state: ClassVar[bool] = False
     default_threshold: ClassVar[int] = DEFAULT_THRESHOLD
+    identical_replicas: ClassVar[bool] = True
+    counter_names: ClassVar[tuple[str, ...]] = ()
 
     def threshold(self, threshold: int | None) -> int:
         """The fusion threshold in ELEMENTS of a step: ``threshold``, or :attr:`default_threshold` for None."""
@@ -139,35 +203,13 @@ class Strategy(ABC):
         """The settings every rank must agree on (JSON-able; ``strategy`` is added by the engine)."""
         return {}
 
-    def bind(self, world_size: int, local: LocalOptimizer) -> None:  # noqa: B027 (optional hook)
+    def bind(self, world_size: int, local: LocalInfo) -> None:  # noqa: B027 (optional hook)
         """Validate the strategy for ``world_size`` ranks and the local optimizer; called before each
         step, before any communication.
 
         Raises:
             ValueError: a setting that does not fit the world or the optimizer.
         """
-
-    def start(self, ctx: BucketContext, flat: Any) -> Any:
-        """Start reducing bucket ``ctx.index`` held in ``flat`` (1-D, the bucket's dtype).
-
-        Returns what :meth:`finish` needs (default: nothing started yet); if
-        it has ``test()`` / ``wait()`` the pipeline progresses and bounds it.
-        """
-        return None
-
-    @abstractmethod
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
-        """Complete the bucket: ``flat`` must hold the sum over ranks divided by ``divisor``
-        (the contributing ranks), possibly with the division left to the unpack (see :class:`Done`)."""
-
-    def abandon(self, started: Any) -> None:
-        """Complete a started reduction without using its result (a skipped step)."""
-        wait = getattr(started, "wait", None)
-        if wait is not None:
-            wait()
-
-    def after_update(self, ctx: UpdateContext) -> None:  # noqa: B027 (optional hook)
-        """Runs after the local optimizer's update on every rank (collective if it communicates)."""
 
     def state_dict(self) -> dict[str, Any]:
         """This strategy's state (plain containers and arrays)."""
@@ -189,3 +231,50 @@ class Strategy(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self), tuple(sorted(self.settings().items()))))
+
+
+class GradientStrategy(Strategy):
+    """A strategy that averages gradients bucket by bucket (dense, half, sparse, DGC, PowerSGD).
+
+    The step engine drives it per bucket: :meth:`start` in bucket order as
+    soon as a bucket is final, :meth:`finish` once the ranks agreed on the
+    step, :meth:`abandon` for a skipped step, then :meth:`end_of_step` once
+    per step, after every bucket.
+    """
+
+    def start(self, ctx: BucketContext, flat: Any) -> Handle:
+        """Start reducing bucket ``ctx.index`` held in ``flat`` (1-D, the bucket's dtype, ``ctx.bucket.size`` elements).
+
+        Returns:
+            The reduction's :class:`Handle` (default :data:`NOT_STARTED`:
+            the whole reduction runs in :meth:`finish`).
+        """
+        return NOT_STARTED
+
+    @abstractmethod
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
+        """Complete the bucket: ``flat`` must hold the sum over ranks divided by ``divisor``
+        (the contributing ranks), possibly with the division left to the unpack (see :class:`Done`).
+
+        Args:
+            ctx: where the bucket is reduced.
+            flat: the bucket's flat buffer (1-D), this rank's gradients on entry.
+            started: what :meth:`start` returned for this bucket.
+            divisor: the number of ranks that contributed a gradient, >= 1.
+        """
+
+    def abandon(self, started: Handle) -> None:
+        """Complete a started reduction without using its result (a skipped step)."""
+        started.wait()
+
+    def end_of_step(self) -> None:  # noqa: B027 (optional hook)
+        """Called once per applied step, after every bucket finished (per-step counters, warm-up)."""
+
+
+class ParameterAverager(Strategy):
+    """A strategy that lets every rank update with its own gradient, then averages parameters
+    (:class:`~distopt.strategies.Partial`; periodic model averaging)."""
+
+    @abstractmethod
+    def after_update(self, ctx: UpdateContext) -> None:
+        """Runs after the local optimizer's update on every rank (collective if it communicates)."""

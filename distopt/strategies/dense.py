@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ..buckets import VIEW_THRESHOLD
-from .base import BucketContext, Done, Strategy
+from ..core.buckets import VIEW_THRESHOLD
+from .base import BucketContext, Done, GradientStrategy, Handle
+from .registry import Example, register
 
 __all__ = ["Dense"]
 
 
-class Dense(Strategy):
+class Dense(GradientStrategy):
     """Sum each bucket across ranks, divide by the contributing ranks (the default strategy).
 
     What travels: every float gradient element once, in its own dtype
@@ -26,13 +27,16 @@ class Dense(Strategy):
     supports_join: ClassVar[bool] = True
     default_threshold: ClassVar[int] = VIEW_THRESHOLD
 
-    def start(self, ctx: BucketContext, flat: Any) -> Any:
+    def start(self, ctx: BucketContext, flat: Any) -> Handle:
         return ctx.launch(flat, "sum")
 
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
         started.wait()
         if ctx.viewed:  # the gradient itself: divide in place
             if divisor != 1:
                 flat /= divisor
             return Done(int(flat.nbytes))
         return Done(int(flat.nbytes), divisor)  # a packed copy: divide while unpacking
+
+
+register(Example("dense", Dense))

@@ -30,7 +30,8 @@ pairs would move at least as many bytes as a dense all-reduce of the
 bucket (``W * k * (index + value bytes) >= n * itemsize``, e.g. at 75 %
 sparsity on 2 ranks), the same selection travels as a dense vector (zeros
 elsewhere) through one all-reduce instead: same values, fewer bytes
-(counted in ``stats["sparse_dense_fallbacks"]``).
+(counted in ``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]``
+counts the pairs this rank selected).
 
 The momentum lives in the strategy (the velocity ``u``), so the local
 optimizer must not add its own: build ``distopt.SGD(lr, momentum=0)`` or
@@ -47,14 +48,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from .._array import xp_of
+from ..core._array import xp_of
 from ..compress import densify, k_for, topk_indices
 from ..compress._xp import index_dtype
-from .base import BucketContext, Done, Strategy
-from .sparse import Residuals
+from .base import BucketContext, Done, GradientStrategy, Handle
+from .memory import Residuals
+from .registry import Example, register
+from .sparse import ENTRIES, FALLBACKS
 
 if TYPE_CHECKING:
-    from ..local import LocalOptimizer
+    from ..step.local import LocalOptimizer
 
 __all__ = ["DGC", "WARMUP_SPARSITY", "inner_momenta"]
 
@@ -87,7 +90,7 @@ def inner_momenta(local: LocalOptimizer) -> list[tuple[str, float]]:
     return []
 
 
-class DGC(Strategy):
+class DGC(GradientStrategy):
     """Deep Gradient Compression: top-K of the momentum-corrected accumulation, with warm-up.
 
     Args:
@@ -106,9 +109,12 @@ class DGC(Strategy):
             [0, 1).
 
     Attributes:
-        steps: steps completed with this strategy (drives the warm-up).
-        velocity: this rank's ``u`` per bucket (:class:`~distopt.strategies.Residuals`).
-        accumulated: this rank's ``v`` per bucket, what was not sent yet.
+        steps: steps completed with this strategy (drives the warm-up;
+            counted by :meth:`end_of_step`).
+        velocity: this rank's ``u`` per bucket
+            (:class:`~distopt.strategies.memory.Residuals`).
+        accumulated: this rank's ``v`` per bucket, what was not sent yet
+            (the error-feedback memory).
 
     Raises:
         ValueError: an argument outside the ranges above (at construction);
@@ -120,6 +126,7 @@ class DGC(Strategy):
 
     name: ClassVar[str] = "dgc"
     per_rank_state: ClassVar[bool] = True
+    counter_names: ClassVar[tuple[str, ...]] = (ENTRIES, FALLBACKS)
 
     def __init__(self, sparsity: float = 0.999, momentum: float = 0.9, clip_norm: float | None = None,
                  warmup_steps: int = 0, warmup_sparsity: Sequence[float] = WARMUP_SPARSITY) -> None:
@@ -167,7 +174,7 @@ class DGC(Strategy):
         sparsity = self.warmup_sparsity[stage] if stage < len(self.warmup_sparsity) else self.sparsity
         return float(1 - Fraction(repr(sparsity)))
 
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:  # noqa: ARG002
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
         key = (ctx.key, ctx.index)
         if self.clip_norm is not None:
             bound = self.clip_norm / math.sqrt(ctx.comm.size)
@@ -183,12 +190,14 @@ class DGC(Strategy):
         values = v[idx]
         v[idx] = 0
         u[idx] = 0                                             # momentum factor masking
-        ctx.counters.sparse_entries += int(idx.size)
+        ctx.counters.add(ENTRIES, int(idx.size))
         sent = _exchange(ctx, flat, idx, values)
         flat /= flat.dtype.type(divisor)
-        if ctx.index == ctx.count - 1:
-            self.steps += 1
         return Done(sent)
+
+    def end_of_step(self) -> None:
+        """Count the step: the next one reads its density from the warm-up schedule at ``steps + 1``."""
+        self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "velocity": self.velocity.state_dict(),
@@ -224,8 +233,9 @@ def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:
     """
     n, comm = flat.size, ctx.comm
     pair_bytes = index_dtype(n).itemsize + flat.dtype.itemsize
-    if comm.size * idx.size * pair_bytes >= flat.nbytes:
-        ctx.counters.sparse_dense_fallbacks += 1
+    dense = comm.size * idx.size * pair_bytes >= flat.nbytes
+    ctx.counters.add(FALLBACKS, int(dense))
+    if dense:
         flat[...] = 0
         flat[idx] = values
         comm.all_reduce(flat, op="sum")
@@ -234,3 +244,7 @@ def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:
     all_val = comm.all_gather(values).reshape(-1)
     flat[...] = densify(all_idx, all_val, n, flat.dtype)
     return int(idx.nbytes + values.nbytes)
+
+
+register(Example("dgc", DGC, {"sparsity": 0.75, "momentum": 0.9, "warmup_steps": 1, "warmup_sparsity": (0.5,)},
+                 mismatch={"sparsity": 0.5, "momentum": 0.9}, local_momentum=0.0))

@@ -19,13 +19,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ..compress import WIRE_DTYPES, from_wire, half_scales, to_wire
-from ..buckets import VIEW_THRESHOLD
-from .base import BucketContext, Done, Strategy
+from ..core.buckets import VIEW_THRESHOLD
+from .base import BucketContext, Done, GradientStrategy, Handle
+from .registry import Example, register
 
 __all__ = ["Half"]
 
 
-class Half(Strategy):
+class Half(GradientStrategy):
     """Average gradients sent as 16-bit floats (2 bytes per element on the wire).
 
     Args:
@@ -63,10 +64,15 @@ class Half(Strategy):
         self._factor = float(world_size if self.predivide is None else self.predivide)
         half_scales(world_size, self._factor)  # validates predivide
 
-    def start(self, ctx: BucketContext, flat: Any) -> Any:
+    def start(self, ctx: BucketContext, flat: Any) -> Handle:
         src = flat if self.clip is None else flat.clip(-self.clip, self.clip)
         return ctx.launch(to_wire(src, self.wire, 1.0 / self._factor), "sum")
 
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
         from_wire(started.wait(), flat.dtype, self._factor / divisor, out=flat)  # wait() returns the wire sum
         return Done(2 * int(flat.size))
+
+
+register(Example("half-fp16", Half, {"wire": "float16"}, mismatch={"wire": "float16", "predivide": 1.0}),
+         Example("half-bf16", Half, {"wire": "bfloat16", "clip": 2.0}, mismatch={"wire": "bfloat16"},
+                 requires=("ml_dtypes",)))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
 
-from ..buckets import plan_buckets
-from .base import BucketContext, Done, Strategy, UpdateContext
+from ..core.buckets import plan_buckets
+from .base import ParameterAverager, UpdateContext
+from .registry import Example, register
 
 __all__ = ["Partial", "ChunkCursor"]
 
@@ -46,7 +47,7 @@ class ChunkCursor:
         self.position = int(state["position"])
 
 
-class Partial(Strategy):
+class Partial(ParameterAverager):
     """Local update with this rank's own gradients, then average one chunk of parameters.
 
     Parameters are cut into chunks by the threshold rule (a parameter of
@@ -70,7 +71,7 @@ class Partial(Strategy):
     """
 
     name: ClassVar[str] = "partial"
-    reduces_gradients: ClassVar[bool] = False
+    identical_replicas: ClassVar[bool] = False
 
     def __init__(self, chunk_size: int | None = None, average_momentum: bool = False) -> None:
         if chunk_size is not None and chunk_size < 1:
@@ -85,9 +86,6 @@ class Partial(Strategy):
     def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
         if self.average_momentum:
             local.momentum_arrays([])  # raises before any update if the optimizer has no momentum buffers
-
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:
-        raise RuntimeError("Partial reduces no gradient buckets")  # reduces_gradients is False
 
     def after_update(self, ctx: UpdateContext) -> None:
         size = ctx.threshold if self.chunk_size is None else self.chunk_size
@@ -110,3 +108,6 @@ class Partial(Strategy):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.cursor.load_state_dict(state["cursor"])
+
+
+register(Example("partial", Partial, {"chunk_size": 4}, mismatch={"chunk_size": 5}))

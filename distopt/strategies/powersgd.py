@@ -1,4 +1,5 @@
-"""PowerSGD: rank-r low-rank gradient compression (Vogels, Karimireddy & Jaggi, NeurIPS 2019).
+"""PowerSGD: rank-r low-rank gradient compression (Vogels, Karimireddy & Jaggi, NeurIPS 2019,
+"PowerSGD: practical low-rank gradient compression for distributed optimization").
 
 As PyTorch's ``powerSGD_hook`` (``torch.distributed.algorithms.ddp_comm_hooks``),
 per bucket and step, on each rank:
@@ -36,28 +37,30 @@ elements instead of ``out * rest``: the seed CNN's 431,080 parameters send
 about 5,400 elements at ``r = 2`` (1.25 % of dense).
 
 NumPy and CuPy: every array operation goes through the input's array module
-(``distopt._array.xp_of``); only the first ``Q`` is drawn with NumPy (a
+(``distopt.core._array.xp_of``); only the first ``Q`` is drawn with NumPy (a
 fixed seed) and copied to the device.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .._array import xp_of
-from ..buckets import Bucket, Slot
-from .base import BucketContext, Done, Strategy
-from .sparse import Residuals
+from ..core._array import xp_of
+from ..core.buckets import Bucket, Slot
+from .base import BucketContext, Done, GradientStrategy, Handle
+from .memory import Residuals
+from .registry import Example, register
 
 __all__ = ["PowerSGD", "orthonormalize", "Factorization", "plan_bucket"]
 
 
 @dataclass(frozen=True)
 class Factorization:
-    """One tensor of a bucket compressed as ``(rows, cols)`` factors of rank ``rank``.
+    """One tensor of a bucket compressed as ``(rows, cols)`` factors of rank ``rank`` (``r`` above).
 
     Attributes:
         offset: first element of the tensor in the bucket's flat buffer.
@@ -77,12 +80,13 @@ class Factorization:
         return self.rows * self.cols
 
 
-def plan_bucket(bucket: Bucket, rank: int, min_compression_rate: float) -> tuple[list[Factorization], list[Slot]]:
-    """Split a bucket's tensors into those compressed at ``rank`` and those reduced densely.
+def plan_bucket(bucket: Bucket, matrix_rank: int,
+                min_compression_rate: float) -> tuple[list[Factorization], list[Slot]]:
+    """Split a bucket's tensors into those compressed at ``matrix_rank`` and those reduced densely.
 
     Args:
-        bucket: the bucket layout (slots with offset, size, shape).
-        rank: the approximation rank ``r``, >= 1.
+        bucket: the bucket layout (slots with offset, size in elements, shape).
+        matrix_rank: the approximation rank ``r``, >= 1.
         min_compression_rate: compress a tensor only when
             ``rows * cols >= min_compression_rate * (rows + cols) * min(r, rows, cols)``.
 
@@ -96,7 +100,7 @@ def plan_bucket(bucket: Bucket, rank: int, min_compression_rate: float) -> tuple
         if len(slot.shape) >= 2 and slot.size > 0:
             rows = int(slot.shape[0])
             cols = slot.size // rows
-            r = min(rank, rows, cols)
+            r = min(matrix_rank, rows, cols)
             if rows * cols >= min_compression_rate * (rows + cols) * r:
                 factorizations.append(Factorization(slot.offset, rows, cols, r))
                 continue
@@ -132,11 +136,11 @@ def orthonormalize(matrix: Any) -> Any:
     return matrix
 
 
-class PowerSGD(Strategy):
+class PowerSGD(GradientStrategy):
     """Rank-``r`` PowerSGD with error feedback and warm-started ``Q``, as PyTorch's ``powerSGD_hook``.
 
     Args:
-        rank: the approximation rank ``r`` (PyTorch's
+        matrix_rank: the approximation rank ``r`` (PyTorch's
             ``matrix_approximation_rank``), >= 1.
         start_step: steps of plain dense averaging before compression starts
             (PyTorch's ``start_powerSGD_iter``), >= 0.
@@ -145,15 +149,21 @@ class PowerSGD(Strategy):
         warm_start: reuse each tensor's ``Q`` from the previous step
             (default), else draw a new random ``Q`` every step.
         seed: seed of the random ``Q`` (identical on every rank).
+        rank: deprecated name of ``matrix_rank`` (it collides with the
+            process rank); warns.
 
     Attributes:
-        steps: steps completed with this strategy (dense and compressed).
-        errors: this rank's error-feedback residual per bucket.
+        steps: steps completed with this strategy (dense and compressed;
+            counted by :meth:`end_of_step`).
+        errors: this rank's error-feedback residual per bucket
+            (:class:`~distopt.strategies.memory.Residuals`).
         qs: the (averaged) ``Q`` factors per bucket, one flat array of
-            ``sum(cols * rank)`` elements, kept for the warm start.
+            ``sum(cols * rank)`` elements each, kept for the warm start
+            (a :class:`~distopt.strategies.memory.Residuals` memory).
 
     Raises:
         ValueError: an argument outside the ranges above.
+        TypeError: both ``matrix_rank`` and ``rank`` given.
 
     Supports neither overlap nor ``join``.
     """
@@ -161,42 +171,50 @@ class PowerSGD(Strategy):
     name: ClassVar[str] = "powersgd"
     per_rank_state: ClassVar[bool] = True
 
-    def __init__(self, rank: int = 2, start_step: int = 0, min_compression_rate: float = 2.0,
-                 warm_start: bool = True, seed: int = 0) -> None:
-        if int(rank) != rank or rank < 1:
-            raise ValueError(f"rank must be an integer >= 1 (the approximation rank r), got {rank!r}")
+    def __init__(self, matrix_rank: int | None = None, start_step: int = 0, min_compression_rate: float = 2.0,
+                 warm_start: bool = True, seed: int = 0, *, rank: int | None = None) -> None:
+        if rank is not None:
+            if matrix_rank is not None:
+                raise TypeError("PowerSGD() got both matrix_rank= and its deprecated name rank=")
+            warnings.warn("PowerSGD(rank=...) is deprecated and will be removed in the next release: use "
+                          "matrix_rank= (rank= collides with the process rank)", DeprecationWarning, stacklevel=2)
+            matrix_rank = rank
+        matrix_rank = 2 if matrix_rank is None else matrix_rank
+        if int(matrix_rank) != matrix_rank or matrix_rank < 1:
+            raise ValueError(f"matrix_rank must be an integer >= 1 (the approximation rank r), got {matrix_rank!r}")
         if int(start_step) != start_step or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0 (dense steps before compression), got {start_step!r}")
         if not (min_compression_rate >= 0 and math.isfinite(min_compression_rate)):
             raise ValueError(f"min_compression_rate must be a finite number >= 0, got {min_compression_rate!r}")
-        self.rank, self.start_step = int(rank), int(start_step)
+        self.matrix_rank, self.start_step = int(matrix_rank), int(start_step)
         self.min_compression_rate, self.warm_start, self.seed = float(min_compression_rate), bool(warm_start), int(seed)
         self.steps = 0
-        self.errors = Residuals()
-        self.qs: dict[tuple[int, int], Any] = {}
+        self.errors, self.qs = Residuals(), Residuals()
         self._plans: dict[tuple[int, int], tuple[list[Factorization], list[Slot]]] = {}
 
     def settings(self) -> dict[str, Any]:
-        return {"rank": self.rank, "start_step": self.start_step, "min_compression_rate": self.min_compression_rate,
+        return {"matrix_rank": self.matrix_rank, "start_step": self.start_step, "min_compression_rate": self.min_compression_rate,
                 "warm_start": self.warm_start, "seed": self.seed}
 
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:  # noqa: ARG002
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
         if self.steps < self.start_step:                         # dense warm-up
             ctx.comm.all_reduce(flat, op="sum")
             flat /= flat.dtype.type(divisor)
             sent = int(flat.nbytes)
         else:
             sent = self._compressed(ctx, flat, divisor)
-        if ctx.index == ctx.count - 1:
-            self.steps += 1
         return Done(sent)
+
+    def end_of_step(self) -> None:
+        """Count the step (the dense warm-up of ``start_step`` steps, the per-step draws without warm start)."""
+        self.steps += 1
 
     def _compressed(self, ctx: BucketContext, flat: Any, divisor: int) -> int:
         """Steps 1-5 of the module docs for one bucket; ``flat`` ends holding the average
         approximation. Returns the bytes sent."""
         key = (ctx.key, ctx.index)
         if key not in self._plans:
-            self._plans[key] = plan_bucket(ctx.bucket, self.rank, self.min_compression_rate)
+            self._plans[key] = plan_bucket(ctx.bucket, self.matrix_rank, self.min_compression_rate)
         factors, dense = self._plans[key]
         xp, div = xp_of(flat), flat.dtype.type(divisor)
         error = self.errors.get(key, flat)
@@ -240,20 +258,20 @@ class PowerSGD(Strategy):
         """The bucket's flat ``Q`` memory (``sum(cols * rank)`` elements of ``like.dtype``): the
         previous step's with ``warm_start``, else (or at first) standard normal from ``seed``."""
         size = sum(f.cols * f.rank for f in factors)
-        q = self.qs.get(key)
+        q = self.qs.buffers.get(key)
         if q is None or q.size != size or q.dtype != like.dtype or not self.warm_start:
             draw = np.random.default_rng([self.seed, key[1], 0 if self.warm_start else self.steps])
-            q = self.qs[key] = xp_of(like).asarray(draw.standard_normal(size).astype(like.dtype))
+            q = self.qs.buffers[key] = xp_of(like).asarray(draw.standard_normal(size).astype(like.dtype))
         return q
 
     def state_dict(self) -> dict[str, Any]:
-        keys = sorted(self.qs)
-        return {"steps": self.steps, "errors": self.errors.state_dict(),
-                "qs": {"keys": [list(k) for k in keys], "values": [self.qs[k].copy() for k in keys]}}
+        return {"steps": self.steps, "errors": self.errors.state_dict(), "qs": self.qs.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps = int(state["steps"])
         self.errors.load_state_dict(state["errors"])
-        qs = state["qs"]
-        self.qs = {(int(k[0]), int(k[1])): v.copy() for k, v in zip(qs["keys"], qs["values"])}
+        self.qs.load_state_dict(state["qs"])
 
+
+register(Example("powersgd", PowerSGD, {"matrix_rank": 1, "start_step": 1, "min_compression_rate": 0.0},
+                 mismatch={"matrix_rank": 2, "start_step": 1, "min_compression_rate": 0.0}))

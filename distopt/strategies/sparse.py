@@ -1,92 +1,71 @@
 """Gradient sparsification with error feedback (SINGA's ``backward_and_sparse_update``).
 
 Per bucket: add the residual (error feedback, Seide et al. 2014; Stich et
-al. 2018; Karimireddy et al. 2019), select entries (top-K by magnitude, Aji
-& Heafield 2017, or |g| >= threshold, Strom 2015), keep what was not sent
-as the new residual (compensated gradient minus what THIS rank sent, never
-minus the average, as PowerSGD's error feedback does), all-gather (index,
-value) pairs from every rank, densify by ADDING duplicates, divide by world
-size. Every rank thus applies the identical update.
+al. 2018; Karimireddy et al. 2019; see :mod:`distopt.strategies.memory`),
+select entries (top-K by magnitude, Aji & Heafield 2017, "Sparse
+communication for distributed gradient descent", or |g| >= threshold,
+Strom 2015, "Scalable distributed DNN training using commodity GPU cloud
+computing"), keep what was not sent as the new residual (compensated
+gradient minus what THIS rank sent, never minus the average, as PowerSGD's
+error feedback does), all-gather (index, value) pairs from every rank,
+densify by ADDING duplicates, divide by world size. Every rank thus applies
+the identical update.
 
 When the sparse exchange would move at least as many bytes as a dense
 all-reduce (density x world size >= about 1), the selected entries are
 all-reduced as a dense vector instead (zeros elsewhere): the result and the
 residual are the same as the sparse path's, only the transport changes.
-Counted in ``stats["sparse_dense_fallbacks"]``.
+Counted in ``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]``
+counts the entries this rank selected.
 """
 from __future__ import annotations
 
-import logging
+import warnings
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from ..comm.base import Communicator
-from .._array import xp_of
+from ..core._array import xp_of
+from ..core.counters import Counters
 from ..compress import densify, k_for, threshold_indices, topk_indices
-from .base import BucketContext, Done, Strategy
+from .base import BucketContext, Done, GradientStrategy, Handle
+from .memory import Residuals
+from .registry import Example, register
 
-__all__ = ["Sparse", "Residuals", "average_sparse"]
+__all__ = ["Sparse", "SELECTIONS", "average_sparse"]
 
-log = logging.getLogger("distopt")
+SELECTIONS: tuple[str, ...] = ("topk", "threshold")
+"""The selection modes of :class:`Sparse`."""
 
-
-class Residuals:
-    """Error-feedback memory: one residual array per bucket, local to this rank.
-
-    Keys are ``(layout key, bucket index)`` as the engine numbers buckets.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, int], Any] = {}
-
-    def get(self, key: tuple[int, int], like: Any) -> Any:
-        """The residual of bucket ``key``, created as zeros shaped like ``like`` (1-D).
-
-        A stored residual whose shape or dtype no longer fits (the bucket
-        layout changed) is dropped with a warning, never silently.
-        """
-        r = self.buffers.get(key)
-        if r is not None and (r.shape != like.shape or r.dtype != like.dtype):
-            log.warning("error-feedback residual of bucket %s dropped: layout changed (%s %s -> %s %s)",
-                        key, r.shape, r.dtype, like.shape, like.dtype)
-            r = None
-        if r is None:
-            r = self.buffers[key] = like * 0
-        return r
-
-    def state_dict(self) -> dict[str, Any]:
-        """Copies of the residuals: ``{"keys": [[layout, bucket], ...], "values": [array, ...]}``."""
-        keys = sorted(self.buffers)
-        return {"keys": [list(k) for k in keys], "values": [self.buffers[k].copy() for k in keys]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.buffers = {(int(k[0]), int(k[1])): v.copy() for k, v in zip(state["keys"], state["values"])}
+ENTRIES, FALLBACKS = "sparse_entries", "sparse_dense_fallbacks"
 
 
-def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
-                   residual: Any | None, counters: Any) -> int:
+def average_sparse(comm: Communicator, flat: Any, *, density: float, select: str,
+                   residual: Any | None, counters: Counters) -> int:
     """Average ``flat`` across ranks in place through a sparse exchange.
 
     Args:
         comm: the communicator.
         flat: 1-D float gradient bucket, overwritten with the average of
             every rank's sparse contribution.
-        spars: with ``topK``, the fraction of elements kept, in (0, 1]
-            (k = max(1, ceil(spars * n))); else the absolute threshold
-            (entries with |g| >= spars are sent).
-        topK: choose top-K (exactly k entries per rank, even with ties) or
-            threshold selection (counts differ per rank, may be 0).
+        density: with ``select="topk"``, the fraction of elements kept, in
+            (0, 1] (k = max(1, ceil(density * n))); with
+            ``"threshold"``, the absolute threshold (entries with
+            |g| >= density are sent).
+        select: ``"topk"`` (exactly k entries per rank, even with ties) or
+            ``"threshold"`` (counts differ per rank, may be 0).
         residual: this bucket's error-feedback residual (same shape as
             ``flat``), updated in place; None disables error feedback.
         counters: the step counters: ``sparse_entries`` (entries this rank
-            selected) and ``sparse_dense_fallbacks`` are incremented.
+            selected) and ``sparse_dense_fallbacks`` are added to.
 
     Returns:
-        Bytes this rank handed to the collectives (indices + values, or the
+        BYTES this rank handed to the collectives (indices + values, or the
         dense bucket on fallback, plus an 8-byte count for threshold mode).
     """
     n = flat.size
+    top_k = select == "topk"
     # the accumulated gradient lives in the residual itself (no copy back): after the selection, its
     # sent entries are zeroed and what is left is the next step's residual (error feedback)
     acc = flat if residual is None else residual
@@ -94,26 +73,27 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
         residual += flat
     pair_bytes = np.dtype(np.int64 if n >= 2**31 else np.int32).itemsize + flat.dtype.itemsize
     sent_bytes = 0
-    if topK:
-        idx = topk_indices(acc, k_for(n, spars))
+    if top_k:
+        idx = topk_indices(acc, k_for(n, density))
         total = idx.size * comm.size
     else:
-        idx = threshold_indices(acc, spars)
+        idx = threshold_indices(acc, density)
         counts = comm.all_gather(np.array([idx.size], dtype=np.int64)).reshape(-1)
         sent_bytes += 8
         total = int(counts.sum())
-    counters.sparse_entries += int(idx.size)
+    counters.add(ENTRIES, int(idx.size))
     values = acc[idx]
     if residual is not None:
         residual[idx] = 0
-    if total * pair_bytes >= n * flat.dtype.itemsize:
+    dense = total * pair_bytes >= n * flat.dtype.itemsize
+    counters.add(FALLBACKS, int(dense))
+    if dense:
         # same selection and residual as the sparse path; only the transport is dense
-        counters.sparse_dense_fallbacks += 1
         xp_of(flat).multiply(acc, 0, out=flat)  # zeros (NaN where the gradient is not finite, as a product keeps it)
         flat[idx] = values
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)
-    if topK:
+    if top_k:
         all_idx = comm.all_gather(idx).reshape(-1)
         all_val = comm.all_gather(values).reshape(-1)
     else:
@@ -125,43 +105,87 @@ def average_sparse(comm: Communicator, flat: Any, *, spars: float, topK: bool,
     return sent_bytes + int(idx.nbytes + values.nbytes)
 
 
-class Sparse(Strategy):
+def _renamed(new: str, value: Any, old: str, legacy: Any) -> Any:
+    """``value``, or the value given under the deprecated name ``old`` (with a DeprecationWarning)."""
+    if legacy is None:
+        return value
+    if value is not None:
+        raise TypeError(f"Sparse() got both {new}= and its deprecated name {old}=")
+    warnings.warn(f"Sparse({old}=...) is deprecated and will be removed in the next release: use {new}=",
+                  DeprecationWarning, stacklevel=3)
+    return legacy
+
+
+class Sparse(GradientStrategy):
     """Top-K or threshold sparsification with error feedback.
 
     Args:
-        spars: with ``topK=True`` the fraction of each bucket's elements
-            sent, in (0, 1]; else the magnitude threshold (>= 0).
-        topK: top-K selection (exactly k per rank) or threshold selection.
-        corr: error feedback: keep what was not sent as a per-bucket
-            residual added to the next step's gradient.
+        density: (default 0.05) with ``select="topk"`` the fraction of each bucket's
+            elements sent, in (0, 1]; with ``select="threshold"`` the
+            magnitude threshold (>= 0): entries with ``|g| >= density``
+            are sent.
+        select: ``"topk"`` (exactly ``k = max(1, ceil(density * n))``
+            entries per rank and bucket of ``n`` elements) or
+            ``"threshold"`` (the default).
+        error_feedback: (default True) keep what was not sent as a per-bucket residual
+            added to the next step's gradient.
+        spars: deprecated name of ``density`` (SINGA's; warns).
+        topK: deprecated, warns: True is ``select="topk"``, False
+            ``select="threshold"``. A bool passed positionally as
+            ``select`` (the old ``Sparse(spars, topK, corr)``) is read the
+            same way.
+        corr: deprecated name of ``error_feedback`` (warns).
 
     Attributes:
-        residuals: this rank's error-feedback memory (:class:`Residuals`).
+        residuals: this rank's error-feedback memory
+            (:class:`~distopt.strategies.memory.Residuals`).
 
     Raises:
-        ValueError: ``spars`` out of range for the selection mode.
+        ValueError: ``select`` not in :data:`SELECTIONS`, or ``density``
+            out of range for it.
+        TypeError: both a name and its deprecated alias given.
 
     The exchange runs after the ranks agreed on the step (so a skipped step
     leaves the residuals untouched). Does not support overlap or ``join``.
+    Reports ``sparse_entries`` and ``sparse_dense_fallbacks``.
     """
 
     name: ClassVar[str] = "sparse"
     per_rank_state: ClassVar[bool] = True
+    counter_names: ClassVar[tuple[str, ...]] = (ENTRIES, FALLBACKS)
 
-    def __init__(self, spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
-        if topK and not 0 < spars <= 1:
-            raise ValueError(f"spars must be in (0, 1] with topK=True (the fraction of elements kept), got {spars}")
-        if not topK and not spars >= 0:
-            raise ValueError(f"spars must be >= 0 with topK=False (a magnitude threshold), got {spars}")
-        self.spars, self.top_k, self.corr = float(spars), bool(topK), bool(corr)
+    def __init__(self, density: float | None = None, select: str | bool | None = None,
+                 error_feedback: bool | None = None, *, spars: float | None = None, topK: bool | None = None,
+                 corr: bool | None = None) -> None:
+        density = _renamed("density", density, "spars", spars)
+        error_feedback = _renamed("error_feedback", error_feedback, "corr", corr)
+        select = _renamed("select", select, "topK", topK)
+        if isinstance(select, bool):  # topK=..., or the old positional Sparse(spars, topK, corr)
+            if topK is None:
+                warnings.warn("Sparse(spars, topK, corr) with a bool second argument is deprecated and will be "
+                              'removed in the next release: use select="topk" or select="threshold"',
+                              DeprecationWarning, stacklevel=2)
+            select = "topk" if select else "threshold"
+        select = "threshold" if select is None else select
+        density = 0.05 if density is None else float(density)
+        if select not in SELECTIONS:
+            raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
+        if select == "topk" and not 0 < density <= 1:
+            raise ValueError(f"density (SINGA's spars) must be in (0, 1] with select='topk' (topK=True): "
+                             f"the fraction of elements kept, got {density}")
+        if select == "threshold" and not density >= 0:
+            raise ValueError(f"density (SINGA's spars) must be >= 0 with select='threshold' (topK=False): "
+                             f"a magnitude threshold, got {density}")
+        self.density, self.select = density, select
+        self.error_feedback = True if error_feedback is None else bool(error_feedback)
         self.residuals = Residuals()
 
     def settings(self) -> dict[str, Any]:
-        return {"spars": self.spars, "top_k": self.top_k, "corr": self.corr}
+        return {"density": self.density, "select": self.select, "error_feedback": self.error_feedback}
 
-    def finish(self, ctx: BucketContext, flat: Any, started: Any, divisor: int) -> Done:  # noqa: ARG002
-        residual = self.residuals.get((ctx.key, ctx.index), flat) if self.corr else None
-        return Done(average_sparse(ctx.comm, flat, spars=self.spars, topK=self.top_k,
+    def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
+        residual = self.residuals.get((ctx.key, ctx.index), flat) if self.error_feedback else None
+        return Done(average_sparse(ctx.comm, flat, density=self.density, select=self.select,
                                    residual=residual, counters=ctx.counters))
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,3 +193,7 @@ class Sparse(Strategy):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.residuals.load_state_dict(state["residuals"])
+
+
+register(Example("sparse-topk", Sparse, {"density": 0.3, "select": "topk"}, mismatch={"density": 0.2, "select": "topk"}),
+         Example("sparse-threshold", Sparse, {"density": 0.5}, mismatch={"density": 0.5, "error_feedback": False}))

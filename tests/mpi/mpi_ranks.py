@@ -6,7 +6,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from distopt.ranks import device_index, from_env, from_hosts, resolve
+from distopt.launch.ranks import device_index, from_env, from_hosts, resolve
 
 
 def test_resolve_from_mpi_comm(world):

@@ -20,12 +20,12 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from ._array import xp_of
-from .buckets import Bucket, put, unpack
-from .comm.base import Communicator
-from .comm.lifecycle import profile_range
-from .counters import Counters
-from .strategies.base import BucketContext, Strategy
+from ..core._array import xp_of
+from ..core.buckets import Bucket, put, unpack
+from ..comm.base import Communicator
+from ..comm.lifecycle import profile_range
+from ..core.counters import Counters
+from ..strategies.base import BucketContext, Strategy
 
 __all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
 
@@ -210,7 +210,8 @@ class BucketPipeline:
         """Complete every bucket, average over ``divisor`` ranks, unpack into ``grads``.
 
         A None entry of ``grads`` receives a new array. Adds the bytes sent
-        to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``.
+        to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
+        then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
         for b, bucket in enumerate(self.buckets):
             flat, viewed = self.flats[b]
@@ -222,6 +223,7 @@ class BucketPipeline:
                 unpack(bucket, flat, grads, done.divisor)
             elif done.divisor != 1:
                 flat /= done.divisor
+        self.strategy.end_of_step()
 
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .strategies import Strategy
+from ..strategies import Strategy
 
 __all__ = ["StrategySet", "SECTIONS"]
 

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import comm as _comm
+from .. import comm as _comm
 from . import ranks
-from .comm.base import Communicator
+from ..comm.base import Communicator
 
 __all__ = ["build_world", "choose_backend", "init", "current", "World", "JOB_ID_ENV", "comm_for"]
 
@@ -94,7 +94,7 @@ def _mpi_world(backend: str, gpu_num: int | None, gpu_per_node: int | None, time
             f"disagrees with MPI (rank {mpi.rank} of {mpi.size}): {fix}")
     if backend == "mpi":
         return mpi, info
-    from .comm.nccl import unique_id_from_mpi
+    from ..comm.nccl import unique_id_from_mpi
 
     unique_id = unique_id_from_mpi(mpi)
     return _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=unique_id,

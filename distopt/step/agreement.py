@@ -14,8 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .comm.base import Communicator
-from .errors import CollectiveMismatchError
+from ..comm.base import Communicator
+from ..errors import CollectiveMismatchError
 
 __all__ = ["digest", "check_same"]
 

@@ -1,16 +1,17 @@
 """The local optimizer behind DistOpt, behind one interface.
 
-Two kinds exist: optimizers on arrays (:class:`distopt.SGD` or any object
-with ``update(param, grad)``), where the caller passes parameters and
-gradients to every step, and PyTorch optimizers (:mod:`distopt.torch`),
-which own their tensors. DistOpt only talks to :class:`LocalOptimizer`.
+Two kinds exist: optimizers on arrays (:class:`ArrayOptimizer`: :class:`distopt.SGD`
+or any object with ``update(param, grad)``), where the caller passes
+parameters and gradients to every step, and PyTorch optimizers
+(:class:`distopt.torch.adapter.TorchOptimizer`), which own their tensors.
+The step runner only talks to :class:`LocalOptimizer`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["LocalOptimizer", "ArrayOptimizer", "wrap_local", "checked_pairs"]
+__all__ = ["LocalOptimizer", "ArrayOptimizer", "checked_pairs"]
 
 
 class LocalOptimizer(ABC):
@@ -22,31 +23,17 @@ class LocalOptimizer(ABC):
         return None
 
     @abstractmethod
-    def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
-        """Run ``loss.backward()``; return ``(params, grads)`` in the shared parameter order."""
-
-    @abstractmethod
-    def overlapped_backward(self, loss: Any, begin: Callable[[list[Any]], Any]
-                            ) -> tuple[list[Any], list[Any], Any] | None:
-        """Run backward while handing each final gradient to a bucket pipeline.
-
-        ``begin(params)`` returns the step's :class:`~distopt.pipeline.BucketPipeline`
-        (a collective: every rank calls it at the same point). Returns
-        ``(params, grads, pipeline)``, or None when this loss cannot be
-        overlapped (nothing has run then).
-        """
-
-    @abstractmethod
-    def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:
-        """Update the parameters whose ``present`` flag is True with the (averaged) gradients."""
-
-    @abstractmethod
     def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:
         """The momentum buffer of each parameter (None where there is none yet).
 
         Raises:
             ValueError: the optimizer has no momentum buffers at all.
         """
+
+    @abstractmethod
+    def momentum_factors(self) -> list[tuple[str, float]]:
+        """``(where, value)`` of every momentum setting, e.g. ``("distopt.SGD.momentum", 0.9)``; empty
+        for an optimizer without one (DGC refuses a non-zero one)."""
 
     def remember(self, params: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
         """Record the shared parameter order (array models: from ``sync_params`` or a step)."""
@@ -79,6 +66,7 @@ class ArrayOptimizer(LocalOptimizer):
         self.known = list(params)
 
     def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
+        """Run ``loss.backward()``; return ``(params, grads)`` in the shared parameter order."""
         params, grads = _pairs(loss.backward())
         known = self.known
         if known is not None and len(params) == len(known):
@@ -92,6 +80,16 @@ class ArrayOptimizer(LocalOptimizer):
 
     def overlapped_backward(self, loss: Any, begin: Callable[[list[Any]], Any]
                             ) -> tuple[list[Any], list[Any], Any] | None:
+        """Run backward while handing each final gradient to a bucket pipeline.
+
+        ``begin(params)`` returns the step's :class:`~distopt.step.pipeline.BucketPipeline`
+        (a collective: every rank calls it at the same point). Returns
+        ``(params, grads, pipeline)``, or None when the shared order is not
+        known yet (nothing has run then).
+
+        Raises:
+            ValueError: a parameter outside the shared order arrived.
+        """
         if self.known is None:
             return None
         params = self.known
@@ -108,6 +106,7 @@ class ArrayOptimizer(LocalOptimizer):
         return params, grads, pipeline
 
     def apply(self, params: Sequence[Any], grads: Sequence[Any], present: Sequence[bool]) -> None:
+        """Update the parameters whose ``present`` flag is True with the (averaged) gradients."""
         for p, g, ok in zip(params, grads, present):
             if ok and g is not None:
                 self.opt.update(p, g)
@@ -118,30 +117,18 @@ class ArrayOptimizer(LocalOptimizer):
                              f"{type(self.opt).__name__} has none")
         return [self.opt.momentum_buffer(p) for p in params]
 
+    def momentum_factors(self) -> list[tuple[str, float]]:
+        if not hasattr(self.opt, "momentum"):
+            return []
+        kind = "distopt.SGD" if type(self.opt).__module__ == "distopt.optim" else type(self.opt).__name__
+        return [(f"{kind}.momentum", float(self.opt.momentum))]
+
     def state_dict(self) -> Any:
         return self.opt.state_dict() if hasattr(self.opt, "state_dict") else None
 
     def load_state_dict(self, state: Any) -> None:
         if state is not None:
             self.opt.load_state_dict(state)
-
-
-def wrap_local(opt: Any) -> LocalOptimizer:
-    """The :class:`LocalOptimizer` for ``opt``.
-
-    Raises:
-        TypeError: ``opt`` is neither a ``torch.optim.Optimizer`` nor has ``update(param, grad)``.
-    """
-    from . import torch as torch_adapter
-
-    if torch_adapter.is_torch_optimizer(opt):
-        return torch_adapter.TorchOptimizer(opt)
-    if callable(getattr(opt, "update", None)):
-        return ArrayOptimizer(opt)
-    raise TypeError(
-        f"opt must be distopt.SGD, an object with update(param, grad), or a torch.optim.Optimizer; "
-        f"got {type(opt).__name__}"
-    )
 
 
 def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
@@ -151,6 +138,7 @@ def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
         params.append(p)
         grads.append(g)
     return params, grads
+
 
 def checked_pairs(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """``(params, grads)`` as lists, checked: one gradient (or None) per parameter, of its shape.

@@ -33,14 +33,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ._array import xp_of
+from ..core._array import xp_of
 from .agreement import check_same, digest
-from .buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
-from .comm.base import Communicator
-from .counters import Counters
-from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..core.buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
+from ..comm.base import Communicator
+from ..core.counters import Counters
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from .pipeline import BucketPipeline, Launcher
-from .strategies.base import Strategy
+from ..strategies.base import Strategy
 
 __all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
 
@@ -199,6 +199,20 @@ class Engine:
             layout, settled = self._agree(strategy, params, threshold, joined, grads)
         return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
                               self.comm, self.counters, self.context, views, bucket_view, settled)
+
+    def agree(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, joined: bool,
+              grads: Sequence[Any], active: bool = True) -> Outcome:
+        """The step header and, when it cannot settle the step, the gradient flags: the agreement of a
+        step that reduces no gradient buckets (a parameter averager's), for gradients already computed.
+
+        Raises:
+            CollectiveMismatchError: parameters or settings differ across ranks.
+            ValueError: a rank has joined and the strategy does not support ``join``.
+        """
+        params = list(params)
+        with self.context("parameter check"):
+            _, settled = self._agree(strategy, params, strategy.threshold(threshold), joined, grads)
+        return self.agree_on_gradients(params, grads, active, settled)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place.

@@ -13,9 +13,14 @@ every rank.
 
 Step pre- and post-hooks on the inner optimizer (so they run whichever
 ``step()`` the user calls) reduce gradients that were accumulated but not
-yet averaged (``no_sync``, ``backward_passes_per_step``), count the steps,
-and run a non-reducing strategy's after-update (``Partial`` averages a chunk
-of parameters after the local update).
+yet averaged (``no_sync``, ``backward_passes_per_step``) and hand the step
+to the runner (:meth:`~distopt.step.runner.StepRunner.finish_step`: it
+counts the step and runs a parameter averager's after-update).
+
+This is PyTorch's one route: hook -> follower -> runner -> engine ->
+pipeline -> strategy -> comm. DistOpt's own ``backward_and_update`` (and
+SINGA's per-call methods) run ``loss.backward()`` through it too, naming the
+strategy for that backward; ``join()``'s shadow steps as well.
 
 Rules:
 
@@ -37,57 +42,63 @@ Rules:
   when they complete (at the next ``DistOpt.zero_grad()``, ``step()`` or
   backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
   before it zeroes or drops the gradients, so the next step is right.
-* ``gradient_as_bucket_view`` (PyTorch DDP's): the layout's bucket buffers
-  are tensors of the parameters' dtype and device, allocated here once per
-  layout (and trainable-parameter list), and every ``.grad`` is made a view
-  into its bucket when its final gradient is ready (copied into the view
-  if it is another tensor, untouched if it is the view already). The
-  pipeline then reduces each bucket in place and unpacks nothing.
+* ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
-from .torch import as_array
+from ..step.engine import Outcome
+from ..step.pipeline import BucketPipeline
+from ..step.runner import StepRunner
+from ..strategies.base import GradientStrategy, ParameterAverager, Strategy
+from .adapter import TorchOptimizer, as_array
+from .bucket_views import BucketViews
 
-if TYPE_CHECKING:
-    from .opt import DistOpt
-    from .pipeline import BucketPipeline
-    from .torch import TorchOptimizer
-
-__all__ = ["AutoSync"]
+__all__ = ["Follower"]
 
 
-class AutoSync:
-    """Follows the backward passes of one PyTorch optimizer's parameters (see the module docs).
+def _tensor(array: Any) -> Any:
+    """The torch tensor sharing ``array``'s memory (NumPy or CuPy)."""
+    import torch
+
+    return torch.from_numpy(array) if hasattr(array, "__array_interface__") else torch.from_dlpack(array)
+
+
+class Follower:
+    """Follows the backward passes and steps of one PyTorch optimizer (see the module docs).
 
     Args:
-        face: the :class:`~distopt.DistOpt` (its engine, strategy, stats).
-        local: the torch local optimizer whose hooks call :meth:`on_grad`.
+        runner: the :class:`~distopt.step.runner.StepRunner` every step goes through.
+        local: the torch local optimizer whose tensors are hooked here.
         passes_per_step: backward passes accumulated per reduction, >= 1.
         sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``)
             before reducing them; otherwise they raise ``TypeError``.
-        threshold: fusion threshold in elements (see ``DistOpt.step``).
         bucket_view: make every ``.grad`` a view into its bucket's buffer
-            (``gradient_as_bucket_view``, see the module docs).
+            (``gradient_as_bucket_view``).
 
     Attributes:
         passes: backward passes accumulated since the last reduction.
         no_sync_depth: nesting depth of ``no_sync()``.
-        bucket_view: as the argument.
+        views: the :class:`~distopt.torch.bucket_views.BucketViews`, or None
+            without ``gradient_as_bucket_view``.
+
+    Raises:
+        ValueError: ``passes_per_step < 1``.
     """
 
-    def __init__(self, face: DistOpt, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
-                 threshold: int | None, bucket_view: bool = False) -> None:
+    def __init__(self, runner: StepRunner, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
+                 bucket_view: bool) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
-        self.face, self.local, self.k = face, local, passes_per_step
-        self.sparse_as_dense, self.threshold = sparse_as_dense, threshold
-        self.bucket_view = bucket_view
-        self._views: list[Any] = []  # per trainable tensor, its .grad view into the bucket buffers
-        self._views_for: tuple[Any, tuple[int, ...]] | None = None  # (layout buffers, tensor ids) they view
+        self.runner, self.local, self.k, self.sparse_as_dense = runner, local, passes_per_step, sparse_as_dense
+        self.views = BucketViews() if bucket_view else None
         self.passes = 0
         self.no_sync_depth = 0
+        self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
+        self._strategy: Strategy | None = None  # the strategy and threshold of this step's backward
+        self._threshold: int | None = None
         self._task: int | None = None
         self._syncing = False
         self._pipeline: BucketPipeline | None = None
@@ -97,10 +108,12 @@ class AutoSync:
         self._pending = False
         self._reduced = False
         self._skipped = False
-        local.follower = self
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
-        local.hook(local.params())
+        local.hook(local.params(), self.on_grad)
+
+    def _current(self) -> Strategy:
+        return self.runner.strategy if self._strategy is None else self._strategy
 
     # ------------------------------------------------------------ backward
     def on_grad(self, param: Any) -> None:
@@ -111,11 +124,11 @@ class AutoSync:
         """
         import torch
 
-        if not self.face.strategy.reduces_gradients:
-            return
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self._new_backward(task)
+        if not isinstance(self._current(), GradientStrategy):
+            return
         if param.grad is not None and param.grad.is_sparse:
             if not self.sparse_as_dense:
                 raise TypeError(
@@ -126,21 +139,26 @@ class AutoSync:
         if self._pipeline is not None:
             index = self._index_of.get(id(param))
             if index is not None:
-                if self.bucket_view:
-                    self._adopt(index)
+                if self.views is not None:
+                    self.views.adopt(param, index)
                 self._pipeline.ready(index, as_array(param.grad))
 
     def _new_backward(self, task: int) -> None:
-        """The first final gradient of a backward pass: decide whether it reduces; queue its end."""
+        """The first final gradient of a backward pass: its strategy, whether it reduces; queue its end."""
         from torch.autograd import Variable
 
         self._task = task
         if self._pipeline is not None:  # the previous backward raised before its end
             self._stale, self._pipeline = self._pipeline, None
             self.drain()  # before this backward reuses gradient memory (bucket views) or communicates
-        self._syncing = self.no_sync_depth == 0 and self.passes + 1 >= self.k
+        self._strategy, self._threshold = self._request or (self.runner.strategy, None)
+        strategy = self._strategy
+        self._syncing = (isinstance(strategy, GradientStrategy) and self.no_sync_depth == 0
+                         and self.passes + 1 >= self.k)
+        if not isinstance(strategy, GradientStrategy):
+            return  # a parameter averager: nothing to reduce in backward
         Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self._syncing and self.face.overlap and self.face.strategy.supports_overlap:
+        if self._syncing and self.runner.overlap and strategy.supports_overlap:
             self._pipeline = self._begin()
 
     def _end_of_backward(self) -> None:
@@ -153,40 +171,15 @@ class AutoSync:
 
     def _begin(self) -> BucketPipeline:
         self.drain()
+        strategy = self._current()
+        assert isinstance(strategy, GradientStrategy)
         self._tensors = self.local.trainable()
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
-        pipeline = self.face._begin(self.face.strategy, [as_array(t) for t in self._tensors], self.threshold,
-                                    joined=self.face._joining, views=False, bucket_view=self.bucket_view)
-        if self.bucket_view:
-            self._bind_views(pipeline)
+        pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], self._threshold,
+                                     views=False, bucket_view=self.views is not None)
+        if self.views is not None:
+            self.views.bind(pipeline, self._tensors)
         return pipeline
-
-    def _bind_views(self, pipeline: BucketPipeline) -> None:
-        """Allocate the layout's bucket buffers as tensors and the ``.grad`` views into them, once per
-        layout and trainable-parameter list (a new layout or list: new buffers, new views)."""
-        import torch
-
-        owner = (pipeline.buffers, tuple(id(t) for t in self._tensors))
-        if self._views_for is not None and self._views_for[0] is owner[0] and self._views_for[1] == owner[1]:
-            return
-        pipeline.buffers.clear()  # never reuse memory a parameter no longer trained may still hold as .grad
-        views: list[Any] = [None] * len(self._tensors)
-        for b, bucket in enumerate(pipeline.buckets):
-            ref = self._tensors[bucket.slots[0].index]
-            flat = torch.zeros(bucket.size, dtype=ref.dtype, device=ref.device)  # bucket.size ELEMENTS
-            pipeline.buffers[b] = as_array(flat)
-            for s in bucket.slots:
-                views[s.index] = flat[s.offset:s.offset + s.size].view(s.shape)
-        self._views, self._views_for = views, owner
-
-    def _adopt(self, index: int) -> None:
-        """Make tensor ``index``'s ``.grad`` its bucket view: copy a gradient held elsewhere into the
-        view, then point ``.grad`` at it (the old tensor is freed); the view itself is left as it is."""
-        tensor, view = self._tensors[index], self._views[index]
-        grad = tensor.grad
-        if grad is not None and (grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride()):
-            view.copy_(grad)
-            tensor.grad = view
 
     def drain(self, outside_backward: bool = False) -> None:
         """Complete and drop the reductions of a backward that raised (collective on every rank).
@@ -202,53 +195,97 @@ class AutoSync:
         if stale is not None:
             stale.abandon()
 
-    def reduce(self) -> None:
+    def reduce(self, shadow: bool = False) -> Outcome:
         """Average the accumulated ``.grad`` of every trainable parameter now (collective).
 
         Sets ``.grad`` to None where no rank has a gradient, and everywhere
         when ``check_finite`` skips the step.
-        """
-        import torch
 
+        Args:
+            shadow: a joined rank's shadow step: it contributes zeros (its
+                own ``.grad`` is ignored) and receives the others' average.
+        """
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is None:
             pipeline = self._begin()
-        strategy = self.face.strategy
-        self.face.active_strategy = strategy
-        if self.bucket_view:
-            for i in range(len(self._tensors)):
-                self._adopt(i)
-        grads = [None if t.grad is None else as_array(t.grad) for t in self._tensors]
-        outcome = self.face.engine.complete(pipeline, grads)
+        views = self.views
+        if views is not None:
+            for i, t in enumerate(self._tensors):
+                views.adopt(t, i)
+        grads = [None if shadow or t.grad is None else as_array(t.grad) for t in self._tensors]
+        outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes, self._pending, self._reduced = 0, False, True
         self._skipped = not outcome.applies
         for i, (t, g, ok) in enumerate(zip(self._tensors, grads, outcome.present)):
             if self._skipped or not ok:
                 t.grad = None
-            elif t.grad is None and self.bucket_view:
-                t.grad = self._views[i]  # its slot (zeros here) holds the average of the other ranks
+            elif t.grad is None and views is not None:
+                t.grad = views.views[i]  # its slot (zeros here) holds the average of the other ranks
             elif t.grad is None:
-                t.grad = torch.from_numpy(g) if hasattr(g, "__array_interface__") else torch.from_dlpack(g)
-        self.local.hook(self._tensors)
+                t.grad = _tensor(g)
+            elif shadow:
+                t.grad.copy_(_tensor(g).reshape(t.grad.shape))
+        self.local.hook(self._tensors, self.on_grad)
+        return outcome
 
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
-        if self.local.engine_path:
-            return
         self.drain(outside_backward=True)
-        if not self.face.strategy.reduces_gradients:
+        if not isinstance(self._current(), GradientStrategy):
             return
         if self._pending or (not self._reduced and any(t.grad is not None for t in self.local.trainable())):
             self.reduce()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
-        if self.local.engine_path:
-            return
-        strategy = self.face.strategy
-        if strategy.reduces_gradients:
-            self.face.stats.steps += int(not self._skipped)
-        else:
-            self.face.stats.steps += 1
-            self.face._after_update(strategy, self.local.arrays(), self.threshold)
+        strategy = self._current()
+        params = self.local.arrays() if isinstance(strategy, ParameterAverager) else []
+        self.runner.finish_step(strategy, params, self._threshold, applied=not self._skipped)
         self._reduced = self._skipped = False
-        self.local.hook(self.local.params())
+        self._strategy = self._threshold = None
+        self.local.hook(self.local.params(), self.on_grad)
+
+    def backward_and_step(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
+        """``loss.backward()`` averaged with ``strategy`` (and ``threshold``), then ``optimizer.step()``
+        unless the backward only accumulated (``backward_passes_per_step``)."""
+        self._request = (strategy, threshold)
+        try:
+            loss.backward()
+        finally:
+            self._request = None
+        if self.passes == 0:
+            self.local.optimizer.step()
+
+    def step(self, closure: Callable[[], Any] | None) -> Any:
+        """``optimizer.step(closure)``: the gradients are averaged already (or now, if accumulated)."""
+        import torch
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.local.optimizer.step()
+        return loss
+
+    def shadow(self) -> int:
+        """One shadow step of a joined rank (collective); returns the active ranks (0: all joined)."""
+        self.drain(outside_backward=True)
+        outcome = self.reduce(shadow=True)
+        if outcome.applies:
+            self.local.optimizer.step()  # the pre-hook finds the step reduced; the post-hook finishes it
+        else:
+            self._reduced = self._skipped = False
+        return outcome.active
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
+        self.drain(outside_backward=True)
+        self.local.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate in ``.grad`` without communicating (DDP's ``no_sync``)."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from ._pdeath import _prctl_pdeathsig, die_with_parent
-from .errors import DistOptError
+from ..errors import DistOptError
 from .logs import LOG_FORMAT, rank_filter
 from .nccl_id import NcclIdHolder, new_job_id
 from .world import JOB_ID_ENV
@@ -190,7 +190,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
             signal, or the job overran ``timeout``; carries the rank, the exit
             code and the worker's traceback.
     """
-    from .comm.shm import unlink_segments
+    from ..comm.shm import unlink_segments
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C, 143 on SIGTERM (the children are terminated too). The job's
     shared-memory segments are removed at the end in every case.
     """
-    from .comm.shm import unlink_segments
+    from ..comm.shm import unlink_segments
 
     parser = _parser()
     ns = parser.parse_args(argv)
@@ -369,6 +369,3 @@ def main(argv: list[str] | None = None) -> int:
             thread.join(ns.grace)
         unlink_segments(job_id)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Core data model shared by every layer: array dispatch (NumPy/CuPy), fast casts, bucket layout, counters."""

@@ -1,0 +1,245 @@
+"""The step runner: the one path every step takes, whichever route calls it.
+
+Routes (all end here):
+
+* SINGA's methods and ``DistOpt.step(params, grads)`` on array models call
+  :meth:`StepRunner.run`; an array loss whose ``backward()`` yields
+  ``(param, grad)`` pairs calls :meth:`StepRunner.backward_run`;
+* PyTorch's ``loss.backward()``: the post-accumulate-grad hooks hand each
+  final gradient to the follower (:mod:`distopt.torch.follower`), which
+  calls :meth:`StepRunner.begin` and :meth:`StepRunner.complete`, and its
+  step post-hook calls :meth:`StepRunner.finish_step`;
+* ``join()``'s shadow loop (:meth:`StepRunner.join`) repeats the last step
+  with zero gradients, through the same calls.
+
+The runner owns the strategy set, the accumulator, the last step, the join
+state, the engine and the local optimizer. Steps are counted, and a
+:class:`~distopt.strategies.ParameterAverager`'s after-update runs, in one
+place: :meth:`StepRunner.finish_step`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from ..core.buckets import is_float
+from ..core.counters import Counters
+from ..strategies.base import GradientStrategy, ParameterAverager, Strategy, UpdateContext
+from .accumulate import GradientAccumulator
+from .engine import Engine, Outcome
+from .local import ArrayOptimizer, LocalOptimizer, checked_pairs
+from .pipeline import BucketPipeline
+from .strategy_set import StrategySet
+
+__all__ = ["StepRunner", "LastStep"]
+
+
+@dataclass
+class LastStep:
+    """What the last array step ran: ``join`` shadows it and ``flush`` repeats it."""
+
+    strategy: Strategy
+    params: list[Any]
+    threshold: int | None
+
+
+class StepRunner:
+    """Runs every step: agreement, the strategy's reduction, the local update, counting.
+
+    Args:
+        engine: the :class:`~distopt.step.engine.Engine` (layout, agreement, pipeline).
+        local: the local optimizer.
+        strategies: the held strategy and SINGA's per-call ones.
+        counters: ``DistOpt.stats``.
+        overlap: start buckets during an array loss's backward (strategies
+            that support it).
+        accumulator: micro-batch accumulation of array models
+            (``backward_passes_per_step > 1``), or None.
+
+    Attributes:
+        active_strategy: the strategy the last step used.
+        last: the last array step (:class:`LastStep`), or None.
+        joining: this rank is inside ``join()``.
+    """
+
+    def __init__(self, engine: Engine, local: LocalOptimizer, strategies: StrategySet, counters: Counters,
+                 overlap: bool, accumulator: GradientAccumulator | None) -> None:
+        self.engine, self.local, self.strategies, self.counters = engine, local, strategies, counters
+        self.overlap, self.accumulator = overlap, accumulator
+        self.active_strategy: Strategy = strategies.held
+        self.last: LastStep | None = None
+        self.joining = False
+
+    @property
+    def strategy(self) -> Strategy:
+        """The held strategy (``step()``, ``backward_and_update``, ``loss.backward()``)."""
+        return self.strategies.held
+
+    def per_call(self, strategy: Strategy) -> Strategy:
+        """The strategy a SINGA method uses (see :meth:`StrategySet.per_call`)."""
+        return self.strategies.per_call(strategy)
+
+    def _prepare(self, strategy: Strategy) -> None:
+        """Make ``strategy`` the active one with its restored state; validate it (no communication)."""
+        self.active_strategy = strategy
+        self.strategies.restore(strategy)
+        strategy.bind(self.engine.comm.size, self.local)
+
+    # ------------------------------------------------- the step, in parts
+    def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None, *,
+              views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False) -> BucketPipeline:
+        """Agree on the step with the other ranks and return its bucket pipeline (collective).
+
+        See :meth:`~distopt.step.engine.Engine.begin` for the arguments.
+        """
+        self._prepare(strategy)
+        return self.engine.begin(strategy, params, threshold, self.joining, views, grads, bucket_view)
+
+    def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
+        """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective).
+
+        Counts the buckets started before this call (during backward) in
+        ``buckets_started_in_backward``.
+        """
+        self.counters.buckets_started_in_backward += pipeline.next
+        return self.engine.complete(pipeline, grads, active)
+
+    def finish_step(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, applied: bool) -> None:
+        """After the local update: count an applied step and run a parameter averager's after-update.
+
+        The one place steps are counted, whichever route ran the step.
+        """
+        if not applied:
+            return
+        self.counters.steps += 1
+        if isinstance(strategy, ParameterAverager):
+            self._prepare(strategy)
+            floats = [p for p in params if is_float(p)]
+            strategy.after_update(UpdateContext(floats, strategy.threshold(threshold), self.engine.comm,
+                                                self.counters, self.local.momentum_arrays,
+                                                self.engine.average_arrays))
+            self.counters.dense_bytes += sum(int(p.nbytes) for p in floats)
+
+    # ------------------------------------------------------- array models
+    def _arrays(self) -> ArrayOptimizer:
+        if not isinstance(self.local, ArrayOptimizer):
+            raise TypeError("step(params, grads) is for array optimizers; a torch.optim.Optimizer's gradients are "
+                            "averaged by loss.backward(): call step() (or step(closure))")
+        return self.local
+
+    def run(self, strategy: Strategy, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> None:
+        """Check ``params``/``grads``, accumulate micro-batches if asked, then :meth:`step`.
+
+        Raises:
+            TypeError: the local optimizer is a PyTorch one.
+            ValueError: ``params`` and ``grads`` differ in length or shape.
+        """
+        local = self._arrays()
+        params, grads = checked_pairs(params, grads)
+        local.remember(params)  # the shared order of an array model's later overlapped backward
+        self.last = LastStep(strategy, params, threshold)
+        if self.accumulator is not None:
+            released = self.accumulator.add(grads)
+            if released is None:
+                return
+            grads = released
+        self.step(strategy, params, grads, threshold)
+
+    def backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
+        """An array loss: backward (buckets start during it with overlap), reduce, update."""
+        local = self._arrays()
+        if (self.overlap and isinstance(strategy, GradientStrategy) and strategy.supports_overlap
+                and self.accumulator is None):
+            run = local.overlapped_backward(loss, lambda params: self.begin(strategy, params, threshold))
+            if run is not None:
+                params, grads, pipeline = run
+                self.last = LastStep(strategy, params, threshold)
+                self.step(strategy, params, grads, threshold, pipeline)
+                return
+        self.run(strategy, *local.backward(loss), threshold)
+
+    def step(self, strategy: Strategy, params: list[Any], grads: list[Any], threshold: int | None,
+             pipeline: BucketPipeline | None = None, active: bool = True) -> int:
+        """Reduce, update, finish the step; returns the number of active ranks (0: all joined)."""
+        local = self._arrays()
+        if isinstance(strategy, ParameterAverager):
+            self._prepare(strategy)
+            outcome = self.engine.agree(strategy, params, threshold, self.joining, grads, active)
+            if outcome.applies:
+                local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
+        else:
+            assert isinstance(strategy, GradientStrategy)
+            if pipeline is None:
+                pipeline = self.begin(strategy, params, threshold, grads=grads)
+            outcome = self.complete(pipeline, grads, active)
+            if outcome.applies and any(outcome.present):
+                local.apply(params, grads, outcome.present)
+        self.finish_step(strategy, params, threshold, outcome.applies)
+        return outcome.active
+
+    def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> list[Any]:
+        """Average ``grads`` in place with the held strategy, without updating (see ``DistOpt.average``).
+
+        Raises:
+            ValueError: the held strategy averages parameters, not gradients;
+                ``params`` and ``grads`` do not match.
+        """
+        strategy = self.strategy
+        if not isinstance(strategy, GradientStrategy):
+            raise ValueError(f"average() needs a strategy that averages gradients, not {strategy.name!r}")
+        params, grads = checked_pairs(params, grads)
+        outcome = self.complete(self.begin(strategy, params, threshold, grads=grads), grads)
+        if not outcome.applies:
+            return [None] * len(grads)
+        return [g if ok else None for g, ok in zip(grads, outcome.present)]
+
+    # ------------------------------------------------ accumulation and join
+    def flush(self) -> None:
+        """Apply a partial accumulation of array micro-batches now (see ``DistOpt.flush``)."""
+        if self.accumulator is None or self.accumulator.count == 0 or self.last is None:
+            return
+        last = self.last
+        self.step(last.strategy, last.params, self.accumulator.release(), last.threshold)
+
+    def discard_accumulation(self) -> None:
+        """Drop a partial accumulation of array micro-batches."""
+        if self.accumulator is not None:
+            self.accumulator.discard()
+
+    @contextmanager
+    def join(self, shadow: Callable[[], int] | None, params: Sequence[Any] | None) -> Iterator[None]:
+        """The body of ``DistOpt.join``: mark this rank joined; after the loop, shadow until all joined.
+
+        Args:
+            shadow: one shadow step of the PyTorch follower (returns the
+                active ranks), or None for array models (the last step is
+                repeated with zero gradients).
+            params: an array model's parameters when it ran no step yet.
+
+        Raises:
+            ValueError: an array model with no step yet and no ``params``.
+        """
+        self.joining = True
+        try:
+            yield
+        except BaseException:
+            self.joining = False
+            raise
+        try:
+            if shadow is None:
+                shadow = self._array_shadow(params)
+            while shadow():
+                pass
+        finally:
+            self.joining = False
+
+    def _array_shadow(self, params: Sequence[Any] | None) -> Callable[[], int]:
+        if self.last is not None:
+            strategy, known, threshold = self.last.strategy, self.last.params, self.last.threshold
+        else:
+            owned = self.local.arrays()
+            if params is None and owned is None:
+                raise ValueError("join() needs params= for an array model that has run no step")
+            strategy, known, threshold = self.strategy, list(owned if params is None else params), None
+        return lambda: self.step(strategy, known, [None] * len(known), threshold, active=False)

@@ -1,0 +1,73 @@
+"""The registry of strategies: every strategy with one or more example configurations.
+
+Each strategy module registers its examples with :func:`register` when it
+is imported (``distopt.strategies`` imports them all), so a new strategy is
+one module and its ``register(...)`` call. The conformance suite
+(``tests/test_strategy_conformance.py``) runs every registered example
+through the generic invariants (replicas, state round trip, layout change,
+join, skipped step, control collectives, settings mismatch), and the test
+files that iterate "every strategy" read :data:`REGISTRY`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .base import Strategy
+
+__all__ = ["Example", "REGISTRY", "register"]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example configuration of a strategy.
+
+    Attributes:
+        id: unique short name, e.g. ``"sparse-topk"`` (a test id).
+        cls: the strategy class.
+        kwargs: its constructor arguments.
+        mismatch: other constructor arguments (different :meth:`Strategy.settings`),
+            for checks that ranks disagreeing on a setting raise; None for a
+            strategy without settings.
+        local_momentum: the momentum factor the example's local optimizer
+            may use (0 for a strategy that keeps the momentum itself, DGC).
+        requires: modules the example needs (e.g. ``("ml_dtypes",)`` for
+            bfloat16 on NumPy arrays).
+    """
+
+    id: str
+    cls: type[Strategy]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    mismatch: Mapping[str, Any] | None = None
+    local_momentum: float = 0.9
+    requires: tuple[str, ...] = ()
+
+    def build(self) -> Strategy:
+        """A new strategy object of this configuration: ``cls(**kwargs)``."""
+        return self.cls(**self.kwargs)
+
+    def build_mismatch(self) -> Strategy:
+        """A new strategy object with the :attr:`mismatch` arguments.
+
+        Raises:
+            ValueError: the example has no ``mismatch`` (a strategy without settings).
+        """
+        if self.mismatch is None:
+            raise ValueError(f"example {self.id!r}: {self.cls.__name__} has no setting to disagree on")
+        return self.cls(**self.mismatch)
+
+
+REGISTRY: dict[str, Example] = {}
+"""Every registered example by :attr:`Example.id`, in registration order."""
+
+
+def register(*examples: Example) -> None:
+    """Add ``examples`` to :data:`REGISTRY`.
+
+    Raises:
+        ValueError: an id is registered already.
+    """
+    for example in examples:
+        if example.id in REGISTRY:
+            raise ValueError(f"strategy example {example.id!r} is registered already")
+        REGISTRY[example.id] = example

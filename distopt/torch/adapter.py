@@ -1,0 +1,124 @@
+"""PyTorch adapter: DistOpt drives a ``torch.optim.Optimizer``.
+
+Parameters and gradients are viewed, not copied: CPU tensors through
+``Tensor.numpy()`` (shared memory), CUDA tensors through DLPack
+(``cupy.from_dlpack``). Only packing small gradients into a fusion buffer
+copies. The averaged gradient is written back into ``param.grad`` and
+``optimizer.step()`` runs unchanged, so any PyTorch optimizer works.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Sequence
+
+from ..step.local import ArrayOptimizer, LocalOptimizer
+
+__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array"]
+
+
+def is_torch_optimizer(opt: Any) -> bool:
+    """True if ``opt`` is a ``torch.optim.Optimizer`` (never imports torch itself)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(opt, torch.optim.Optimizer)
+
+
+def local_optimizer(opt: Any) -> LocalOptimizer:
+    """The :class:`~distopt.step.local.LocalOptimizer` for ``opt``: :class:`TorchOptimizer` for a
+    ``torch.optim.Optimizer``, :class:`~distopt.step.local.ArrayOptimizer` for anything with ``update(param, grad)``.
+
+    Raises:
+        TypeError: ``opt`` is neither.
+    """
+    if is_torch_optimizer(opt):
+        return TorchOptimizer(opt)
+    if callable(getattr(opt, "update", None)):
+        return ArrayOptimizer(opt)
+    raise TypeError(f"opt must be distopt.SGD, an object with update(param, grad), or a torch.optim.Optimizer; "
+                    f"got {type(opt).__name__}")
+
+
+def as_array(tensor: Any) -> Any:
+    """A NumPy (CPU) or CuPy (CUDA) array sharing memory with ``tensor``.
+
+    Raises:
+        TypeError: the tensor is sparse (``nn.Embedding(sparse=True)``) or
+            not contiguous (a view could not alias it).
+    """
+    if tensor.is_sparse:
+        raise TypeError(f"tensor of shape {tuple(tensor.shape)} is a sparse gradient (e.g. nn.Embedding(sparse="
+                        "True)); distopt averages dense gradients only: use a dense embedding, or "
+                        "DistOpt(..., sparse_as_dense=True) with a PyTorch optimizer and loss.backward()")
+    if not tensor.is_contiguous():
+        raise TypeError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; distopt needs "
+                        "contiguous parameters and gradients")
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        import cupy
+
+        return cupy.from_dlpack(tensor)
+    return tensor.numpy()
+
+
+class TorchOptimizer(LocalOptimizer):
+    """The local-optimizer side of DistOpt for a ``torch.optim.Optimizer``.
+
+    It owns the optimizer's tensors and the hooks DistOpt registers on them
+    (removed by :meth:`detach`); the follower (:mod:`distopt.torch.follower`)
+    receives the hooks' calls and drives the step.
+
+    Attributes:
+        optimizer: the wrapped ``torch.optim.Optimizer``.
+        handles: every hook handle registered for this DistOpt (tensors,
+            optimizer step hooks, model forward hooks).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._hooked: set[int] = set()
+        self.handles: list[Any] = []
+
+    def params(self) -> list[Any]:
+        """The optimizer's parameters, group by group, in a fixed order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def trainable(self) -> list[Any]:
+        """The parameters that require a gradient now, in :meth:`params` order."""
+        return [p for p in self.params() if p.requires_grad]
+
+    def hook(self, tensors: Sequence[Any], on_grad: Callable[[Any], None]) -> None:
+        """Register ``on_grad`` as the post-accumulate-grad hook of each tensor that requires a gradient
+        (once per tensor)."""
+        for t in tensors:
+            if t.requires_grad and id(t) not in self._hooked:
+                self.handles.append(t.register_post_accumulate_grad_hook(on_grad))
+                self._hooked.add(id(t))
+
+    def detach(self) -> None:
+        """Remove every hook registered for this DistOpt."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self._hooked = [], set()
+
+    def arrays(self) -> list[Any]:
+        """Array views of the parameters (writing them changes the model)."""
+        return [as_array(p) for p in self.params()]
+
+    def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:  # noqa: ARG002
+        """Views of each parameter's ``momentum_buffer`` state (None where absent)."""
+        out = []
+        for p in self.params():
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            out.append(None if buf is None else as_array(buf))
+        return out
+
+    def momentum_factors(self) -> list[tuple[str, float]]:
+        kind = type(self.optimizer)
+        name = ("torch.optim." if kind.__module__.startswith("torch.optim") else "") + kind.__name__
+        return [(f"{name}.param_groups[{i}]['momentum']", float(group["momentum"]))
+                for i, group in enumerate(self.optimizer.param_groups) if "momentum" in group]
+
+    def state_dict(self) -> Any:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)

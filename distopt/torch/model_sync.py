@@ -1,0 +1,169 @@
+"""Model-aware synchronization: a module's parameters and buffers, by name, from one rank.
+
+:class:`ModelSync` uses these at construction (rank 0's parameters, frozen
+ones and ones outside the optimizer included, and its buffers), before each
+training-mode forward (``broadcast_buffers=True``), in ``opt.sync_buffers()``
+and in ``opt.broadcast_state()``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..core.buckets import is_float, pack, plan_buckets, unpack
+from ..comm.base import Communicator
+from ..metrics import broadcast_object
+from ..step.engine import DEFAULT_THRESHOLD, Engine
+from ..errors import CollectiveMismatchError
+from .adapter import TorchOptimizer, as_array
+
+__all__ = ["ModelSync", "check_names", "broadcast_arrays", "average_arrays", "named_state", "parameter_names"]
+
+
+def check_names(comm: Communicator, names: Sequence[str], what: str) -> None:
+    """Compare ``names`` (in order) across ranks (one variable-length all-gather).
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming the first position
+            where rank 0 and another rank differ, and the fix.
+    """
+    blob = np.frombuffer(json.dumps(list(names)).encode(), dtype=np.uint8).copy()
+    everyone = [json.loads(b.tobytes()) for b in comm.all_gather_v(blob)]
+    ref = everyone[0]
+    for r, other in enumerate(everyone[1:], start=1):
+        for i in range(max(len(ref), len(other))):
+            a = ref[i] if i < len(ref) else "(none)"
+            b = other[i] if i < len(other) else "(none)"
+            if a != b:
+                raise CollectiveMismatchError(
+                    f"{what} #{i} differs across ranks: rank 0 has {a!r}, rank {r} has {b!r}; every rank must "
+                    "build the same model and give the optimizer its parameters in the same order")
+
+
+def broadcast_arrays(comm: Communicator, arrays: Sequence[Any], root: int = 0) -> None:
+    """Overwrite ``arrays`` (NumPy/CuPy, any dtype) with ``root``'s values, fused per dtype (collective)."""
+    arrays = list(arrays)
+    for bucket in plan_buckets([(a.shape, a.dtype) for a in arrays], DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
+        flat, viewed = pack(bucket, arrays)
+        comm.broadcast(flat, root=root)
+        if not viewed:
+            unpack(bucket, flat, arrays)
+
+
+def average_arrays(comm: Communicator, arrays: Sequence[Any]) -> None:
+    """Average the float ``arrays`` across ranks in place; others get rank 0's values (collective)."""
+    arrays = list(arrays)
+    floats = [a for a in arrays if is_float(a)]
+    for bucket in plan_buckets([(a.shape, a.dtype) for a in floats], DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
+        flat, viewed = pack(bucket, floats)
+        comm.all_reduce(flat, op="avg")
+        if not viewed:
+            unpack(bucket, flat, floats)
+    broadcast_arrays(comm, [a for a in arrays if not is_float(a)], 0)
+
+
+def named_state(model: Any, buffers: bool = True) -> tuple[list[str], list[Any]]:
+    """``(names, arrays)``: every parameter of ``model`` (frozen ones too), then its buffers if asked.
+
+    Arrays are views: writing them changes the model. Tied parameters
+    appear once.
+    """
+    names: list[str] = [n for n, _ in model.named_parameters()]
+    tensors: list[Any] = [p for _, p in model.named_parameters()]
+    if buffers:
+        for n, b in model.named_buffers():
+            names.append(n)
+            tensors.append(b)
+    return names, [as_array(t) for t in tensors]
+
+
+def parameter_names(model: Any, params: Sequence[Any]) -> list[str]:
+    """The model's name of each tensor in ``params`` (``"(outside the model) #i"`` where it has none)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id.get(id(p), f"(outside the model) #{i}") for i, p in enumerate(params)]
+
+
+class ModelSync:
+    """A PyTorch optimizer's (and model's) tensors, synchronized across ranks from one rank.
+
+    ``DistOpt(torch_opt, model=model)`` builds one: it checks the names and
+    broadcasts rank 0's parameters (frozen ones and ones outside the
+    optimizer included) and buffers at construction, and before each
+    training-mode forward with ``broadcast_buffers=True``.
+
+    Args:
+        comm: the communicator.
+        engine: the step engine (its checked parameter broadcast).
+        local: the torch local optimizer.
+        model: the ``torch.nn.Module``, or None (only the optimizer's
+            parameters are broadcast then; buffers never are).
+        broadcast_buffers: with ``model``, broadcast rank 0's buffers
+            before each training-mode forward (DDP's default).
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming the first name (or
+            shape or dtype) that differs across ranks.
+    """
+
+    def __init__(self, comm: Communicator, engine: Engine, local: TorchOptimizer, model: Any,
+                 broadcast_buffers: bool) -> None:
+        self.comm, self.engine, self.local, self.model = comm, engine, local, model
+        settings = {"world_size": comm.size}
+        if model is None:
+            engine.broadcast_params(local.arrays(), settings)
+            return
+        names, arrays = named_state(model)
+        check_names(comm, names, "model parameter or buffer")
+        check_names(comm, parameter_names(model, local.params()), "optimizer parameter")
+        engine.broadcast_params(arrays, settings)
+        in_model = {id(p) for p in model.parameters()}
+        outside = [as_array(p) for p in local.params() if id(p) not in in_model]
+        if outside:
+            engine.broadcast_params(outside, settings)
+        if broadcast_buffers and any(True for _ in model.buffers()):
+            def before_forward(module: Any, inputs: Any) -> None:  # noqa: ARG001
+                if module.training:
+                    self.sync_buffers("broadcast")
+
+            local.handles.append(model.register_forward_pre_hook(before_forward))
+
+    def sync_buffers(self, mode: str = "broadcast", root: int = 0) -> None:
+        """Synchronize the model's buffers (BatchNorm running statistics) now (see ``DistOpt.sync_buffers``).
+
+        Raises:
+            ValueError: no model was given, or an unknown ``mode``.
+        """
+        if self.model is None:
+            raise ValueError("sync_buffers() needs DistOpt(..., model=model)")
+        if mode not in ("broadcast", "average"):
+            raise ValueError(f"mode must be 'broadcast' or 'average', got {mode!r}")
+        buffers = [as_array(b) for _, b in self.model.named_buffers()]
+        if mode == "broadcast":
+            broadcast_arrays(self.comm, buffers, root)
+        else:
+            average_arrays(self.comm, buffers)
+
+    def broadcast_state(self, root: int = 0) -> None:
+        """Give every rank ``root``'s parameters, buffers and inner optimizer state (see ``DistOpt.broadcast_state``)."""
+        arrays = self.local.arrays()
+        if self.model is not None:
+            arrays += named_state(self.model)[1]
+        broadcast_arrays(self.comm, arrays, root)
+        optimizer = self.local.optimizer
+        state = broadcast_object(self.comm, optimizer.state_dict() if self.comm.rank == root else None, root)
+        if self.comm.rank != root:
+            optimizer.load_state_dict(state)
+
+    def add_param_group(self, group: dict[str, Any], on_grad: Any) -> None:
+        """Add ``group`` to the inner optimizer, take rank 0's values for it, hook it (collective).
+
+        Raises:
+            CollectiveMismatchError: the new parameters differ across ranks.
+        """
+        optimizer = self.local.optimizer
+        optimizer.add_param_group(group)
+        added = optimizer.param_groups[-1]["params"]
+        self.engine.broadcast_params([as_array(p) for p in added], {"add_param_group": len(added)})
+        self.local.hook(added, on_grad)

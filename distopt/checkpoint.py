@@ -13,18 +13,33 @@ numbers, strings and tensors (arrays as tensors, :mod:`distopt.portable`),
 read back with ``torch.load(weights_only=True, map_location=...)``: no
 arbitrary code runs at load time. Without PyTorch, a pickle read by an
 unpickler that only rebuilds NumPy arrays and builtin containers. The file
-records its format version, the world size and the strategy.
+records its format version, the world size and the strategy. NumPy scalars
+are stored as numbers and come back as NumPy scalars; any other value the
+safe loaders would refuse makes ``save`` fail before a file is written.
+
+Errors are the job's, not one rank's: ``save`` and ``load`` each end with one
+small all-gather of every rank's error (if any), and then every rank raises
+the same error, naming the rank that failed (a damaged residual file is
+read by its rank only). A file is called "truncated or corrupt" only when
+its structure says so (a zip archive that is cut short or fails its CRC
+check, a pickle stream that ends early or has unknown opcodes); an intact
+file that cannot be loaded is reported with the loader's own error.
 """
 from __future__ import annotations
 
+import builtins
 import io
 import logging
 import os
 import pickle
+import pickletools
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
+from .comm.base import Communicator
+from .metrics import all_gather_object
 from .portable import HAVE_TORCH, from_portable, to_portable
 
 __all__ = ["save", "load", "CHECKPOINT_FORMAT"]
@@ -57,17 +72,75 @@ class _ArraysOnly(pickle.Unpickler):
 
 
 def _read(path: Path, map_location: Any) -> Any:
-    """Read a file written by :func:`_dump`; any failure becomes a ValueError naming the file."""
+    """Read a file written by :func:`_dump`.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is truncated or corrupt (see :func:`_damage`),
+            or intact but refused by the loader (its error is quoted).
+    """
     raw = path.read_bytes()
+    zipped = raw.startswith(b"PK")  # torch.save's zip format
+    damage = _damage(raw, zipped)
+    if damage is not None:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({len(raw)} bytes): {damage}")
     try:
-        if raw.startswith(b"PK"):  # torch.save's zip format
+        if zipped:
             import torch
 
             return torch.load(io.BytesIO(raw), map_location=map_location, weights_only=True)
         return _ArraysOnly(io.BytesIO(raw)).load()
-    except Exception as exc:  # noqa: BLE001 (every reader error means the same thing here)
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({len(raw)} bytes): "
+    except Exception as exc:  # noqa: BLE001 (any loader error of an intact file)
+        raise ValueError(f"checkpoint {path} is intact ({len(raw)} bytes) but cannot be loaded: "
                          f"{type(exc).__name__}: {exc}") from exc
+
+
+def _damage(raw: bytes, zipped: bool) -> str | None:
+    """What is wrong with the structure of a file's bytes, or None for an intact file.
+
+    A zip archive (torch.save's format) must have its central directory and
+    every entry its recorded CRC-32 (torch.load does not check those, and
+    none are recorded after ``torch.serialization.set_crc32_options(False)``); a
+    pickle stream must be a complete sequence of known opcodes that ends
+    with STOP at the file's last byte.
+    """
+    if zipped:
+        try:
+            archive = zipfile.ZipFile(io.BytesIO(raw))
+            bad = archive.testzip() if any(entry.CRC for entry in archive.infolist()) else None
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            return f"not a complete zip archive ({exc})"
+        return None if bad is None else f"entry {bad} fails its CRC-32 check"
+    stop = -1
+    try:
+        for _, _, stop in pickletools.genops(raw):
+            pass
+    except ValueError as exc:
+        return f"not a complete pickle stream ({exc})"
+    return None if stop == len(raw) - 1 else f"{len(raw) - stop - 1} bytes after the end of the pickle stream"
+
+
+def _raise_everywhere(comm: Communicator, error: Exception | None) -> None:
+    """One all-gather of every rank's error; if any rank failed, raise the same error on every rank.
+
+    Args:
+        comm: the communicator (collective: every rank calls it).
+        error: this rank's error, or None.
+
+    Raises:
+        OSError: the first failing rank's error is a builtin OSError (of the
+            same class: FileNotFoundError, IsADirectoryError, ...).
+        TypeError: the first failing rank's error is a TypeError.
+        ValueError: any other error. Each message lists every failing
+            rank's error, as ``rank R: ErrorClass: message``.
+    """
+    mine = None if error is None else (type(error).__name__, str(error))
+    failed = [(rank, report) for rank, report in enumerate(all_gather_object(comm, mine)) if report is not None]
+    if failed:
+        kind = getattr(builtins, failed[0][1][0], None)
+        if not (isinstance(kind, type) and issubclass(kind, OSError)) and kind is not TypeError:
+            kind = ValueError
+        raise kind("; ".join(f"rank {rank}: {name}: {text}" for rank, (name, text) in failed)) from error
 
 
 def _write_atomically(path: Path, payload: Any) -> None:
@@ -93,31 +166,47 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
 
     Args:
         path: file to write (its directory is created if missing).
-        model_state: tensors, arrays, numbers, strings and plain containers
-            (e.g. ``model.state_dict()`` or a list of NumPy parameter arrays;
-            arrays come back as arrays).
+        model_state: tensors, arrays, NumPy scalars, numbers, strings and
+            plain containers (e.g. ``model.state_dict()`` or a list of NumPy
+            parameter arrays; arrays come back as arrays, NumPy scalars as
+            NumPy scalars). Only rank 0's is written.
         opt: the :class:`~distopt.DistOpt`.
 
     Returns:
         True on the rank that wrote the checkpoint file (global rank 0).
 
     Raises:
-        OSError: the file cannot be written (on rank 0; the other ranks then
-            time out in the barrier with a CollectiveTimeoutError).
+        TypeError: on every rank, before any file is written: rank 0's
+            ``model_state`` holds a value ``torch.load(weights_only=True)``
+            could not read back (an object of another class, a named tuple,
+            a NumPy datetime64, ...), naming its key and type.
+        OSError: on every rank, a file cannot be written on some rank (of
+            that error's class, naming the rank and the file).
     """
     path = Path(path)
     state = opt.state_dict()
     residuals = state.pop("rank_local", {})
     wrote = opt.rank_in_global == 0
+    payload, error = None, None
     if wrote:
-        _write_atomically(path, {"format": CHECKPOINT_FORMAT, "world_size": opt.world_size,
-                                 "strategy": dict(opt.strategy.describe()),
-                                 "model": to_portable(model_state), "opt": state})
-    if residuals:
-        _write_atomically(_residual_path(path, opt.rank_in_global), residuals)
-    else:  # never leave a stale residual file next to a newer checkpoint
-        _residual_path(path, opt.rank_in_global).unlink(missing_ok=True)
-    opt.comm.barrier()
+        try:
+            payload = {"format": CHECKPOINT_FORMAT, "world_size": opt.world_size,
+                       "strategy": to_portable(dict(opt.strategy.describe()), "strategy"),
+                       "model": to_portable(model_state, "model_state"), "opt": state}
+        except TypeError as exc:
+            error = exc
+    _raise_everywhere(opt.comm, error)
+    rpath = _residual_path(path, opt.rank_in_global)
+    try:
+        if wrote:
+            _write_atomically(path, payload)
+        if residuals:
+            _write_atomically(rpath, residuals)
+        else:  # never leave a stale residual file next to a newer checkpoint
+            rpath.unlink(missing_ok=True)
+    except OSError as exc:
+        error = exc
+    _raise_everywhere(opt.comm, error)  # also the barrier: every file is complete when it returns
     return wrote
 
 
@@ -138,11 +227,25 @@ def load(path: str | os.PathLike, opt: Any, map_location: Any = "cpu") -> Any:
             from CuPy as CuPy arrays where they land on a GPU.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
-        ValueError: a truncated or corrupt file, or one of another format
-            (an older distopt), on every rank.
+        FileNotFoundError: on every rank, no checkpoint at ``path`` on some
+            rank (the message names the ranks).
+        ValueError: on every rank, a truncated or corrupt checkpoint or
+            residual file (on any rank: the message names the rank and the
+            file), an intact one the safe loader refuses, or one of another
+            format (an older distopt).
     """
     path = Path(path)
+    model, error = None, None
+    try:
+        model = _restore(path, opt, map_location)
+    except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
+        error = exc
+    _raise_everywhere(opt.comm, error)
+    return model
+
+
+def _restore(path: Path, opt: Any, map_location: Any) -> Any:
+    """This rank's part of :func:`load` (no collective); returns the model state."""
     payload = _read(path, map_location)
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         found = payload.get("format", 1) if isinstance(payload, dict) else type(payload).__name__

@@ -20,14 +20,15 @@ from .launch.world import World, comm_for
 from .step.accumulate import GradientAccumulator
 from .step.engine import Engine
 from .step.local import ArrayOptimizer
-from .step.runner import StepRunner
+from .step.runner import JoinResult, StepRunner
 from .step.state import STATE_FORMAT, StepState
 from .step.strategy_set import StrategySet
 from .strategies import Dense, Strategy
-from .torch.adapter import TorchOptimizer, local_optimizer
+from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
 from .torch.bucket_views import check_bucket_view
 from .torch.follower import Follower
 from .torch.model_sync import ModelSync
+from .torch.optimizer import optimizer_class
 
 __all__ = ["DistOpt", "STATE_FORMAT"]
 
@@ -72,6 +73,11 @@ class DistOpt:
             a second copy of every gradient); bitwise the results of False.
             Caveats as DDP's (see :mod:`distopt.torch.bucket_views` and
             ``docs/porting.md``); ``join()`` is not supported with it.
+        divide_by_initial_world_size: inside :meth:`join`, divide by the
+            world size (DDP's default) rather than by the ranks still training.
+        named_parameters: Horovod's: ``model.named_parameters()``, naming every
+            optimizer parameter (compared across ranks; ValueError for a
+            duplicate or missing name).
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -88,13 +94,18 @@ class DistOpt:
             strategy that averages parameters (partial).
     """
 
+    def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003
+        """A :class:`DistOpt` that is also a ``torch.optim.Optimizer`` when ``opt`` is one."""
+        return super().__new__(optimizer_class(cls) if is_torch_optimizer(opt) else cls)
+
     def __init__(self, opt: Any, nccl_id: Any = None, gpu_num: int | None = None,
                  gpu_per_node: int | None = None, buffSize: int = 4194304, *, strategy: Strategy | None = None,
                  backend: str | None = None, comm: Communicator | None = None, timeout: float | None = None,
                  backward_passes_per_step: int = 1, check_finite: bool = False, abort_on_exception: bool = True,
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
                  sparse_as_dense: bool = False, world: World | None = None,
-                 gradient_as_bucket_view: bool = False) -> None:
+                 gradient_as_bucket_view: bool = False, divide_by_initial_world_size: bool = True,
+                 named_parameters: Any = None) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -110,7 +121,8 @@ class DistOpt:
                                                                   comm, world)
         self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
-        self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters)
+        self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters,
+                             bool(divide_by_initial_world_size))
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
         self._state = StepState(local, self._counters, strategies)
@@ -118,14 +130,15 @@ class DistOpt:
         self.sampler: Any = None
         if abort_on_exception and self.comm.name == "mpi":
             install_abort_on_exception()
-        self._follower: Follower | None = None
-        self._model: ModelSync | None = None
+        self.follower: Follower | None = None
+        self.model_sync: ModelSync | None = None
         if isinstance(local, TorchOptimizer):
-            self._follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
+            self.follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
                                       bool(gradient_as_bucket_view))
-            self._model = ModelSync(self.comm, self.engine, local, model, broadcast_buffers)
-        elif model is not None:
-            raise TypeError("model= needs a torch.optim.Optimizer inside DistOpt")
+            self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
+                                        lambda: self._runner.joining, named_parameters)
+        elif model is not None or named_parameters is not None:
+            raise TypeError("model= and named_parameters= need a torch.optim.Optimizer inside DistOpt")
 
     @property
     def local_rank(self) -> int:
@@ -163,7 +176,7 @@ class DistOpt:
     @property
     def model(self) -> Any:
         """The ``torch.nn.Module`` given as ``model=`` (None without one)."""
-        return None if self._model is None else self._model.model
+        return None if self.model_sync is None else self.model_sync.model
 
     @property
     def buff_size(self) -> int:
@@ -175,15 +188,11 @@ class DistOpt:
         """Whether steps with a non-finite gradient on some rank are skipped everywhere."""
         return self.engine.check_finite
 
-    def _torch(self, what: str) -> Follower:
-        if self._follower is None:
+    def _torch(self, what: str) -> Follower:  # noqa: D401
+        if self.follower is None:
             raise TypeError(f"{what} needs a torch.optim.Optimizer inside DistOpt; this one wraps "
                             f"{type(self.opt).__name__} (use step(params, grads) for array models)")
-        return self._follower
-
-    def _model_sync(self, what: str) -> ModelSync:
-        self._torch(what)
-        return self._model  # type: ignore[return-value]  (built with every follower)
+        return self.follower
 
     def step(self, params: Any = None, grads: Sequence[Any] | None = None, threshold: int | None = None) -> Any:
         """Average ``grads`` across ranks with :attr:`strategy`, then update ``params``.
@@ -223,8 +232,8 @@ class DistOpt:
         self._backward(self.strategy, loss, threshold)
 
     def _backward(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
-        if self._follower is not None:
-            return self._follower.backward_and_step(strategy, loss, threshold)
+        if self.follower is not None:
+            return self.follower.backward_and_step(strategy, loss, threshold)
         return self._runner.backward_run(strategy, loss, threshold)
 
     def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None) -> list[Any]:
@@ -281,13 +290,19 @@ class DistOpt:
         self._runner.discard_accumulation()
 
     @contextmanager
-    def join(self, params: Sequence[Any] | None = None) -> Iterator[None]:
+    def join(self, params: Sequence[Any] | None = None) -> Iterator[JoinResult]:
         """Let ranks with fewer batches finish early without hanging the others (Horovod's ``hvd.join``).
 
         Around the training loop on every rank (``with opt.join(): for batch
         in my_batches: ...``, counts may differ per rank). A rank that left
         the loop answers the others' steps with zero gradients and applies
-        the same averaged update (sum over the ranks that contributed).
+        the same averaged update: PyTorch DDP's, the sum divided by the world
+        size, joined ranks contributing zeros (``divide_by_initial_world_size=False``:
+        by the ranks that contributed). With ``model=`` and buffers, joined
+        ranks also shadow the buffer broadcasts, which then come from the
+        lowest rank still training, and at the end every rank takes the
+        buffers of the last rank to join. ``with opt.join() as result:``
+        gives ``result.last_joined`` afterwards (Horovod's ``join()`` value).
 
         Args:
             params: the parameters, for an array model that ran no step before joining.
@@ -297,52 +312,13 @@ class DistOpt:
                 strategy without ``supports_join`` (every rank raises), or
                 ``gradient_as_bucket_view=True``.
         """
-        follower = self._follower
+        follower = self.follower
         if follower is not None and follower.views is not None:
             raise ValueError("join() is not supported with DistOpt(..., gradient_as_bucket_view=True): a joined "
                              "rank's shadow steps do not write into the bucket views")
-        with self._runner.join(None if follower is None else follower.shadow, params):
-            yield
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner optimizer's ``zero_grad`` (PyTorch's default: gradients set to None)."""
-        self._torch("zero_grad()").zero_grad(set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups (the same list: changing ``lr`` here changes it there)."""
-        return self._torch("param_groups").local.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's per-parameter state (``momentum_buffer``, Adam's moments)."""
-        return self._torch("state").local.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The inner optimizer's default hyper-parameters."""
-        return self._torch("defaults").local.optimizer.defaults
-
-    def add_param_group(self, group: dict[str, Any]) -> None:
-        """Add a parameter group to the inner optimizer and take rank 0's values for it (collective)."""
-        self._model_sync("add_param_group()").add_param_group(group, self._torch("add_param_group()").on_grad)
-
-    def no_sync(self) -> Any:
-        """DDP's accumulation idiom: backward passes inside accumulate in ``.grad`` without communicating;
-        the first backward after the block (or ``step()``) averages the accumulated sum."""
-        return self._torch("no_sync()").no_sync()
-
-    def sync_buffers(self, mode: str = "broadcast", root: int = 0) -> None:
-        """Synchronize the model's buffers now: ``"broadcast"`` ``root``'s, or ``"average"`` the float ones
-        (integer ones from rank 0). ValueError without ``model=`` or for another ``mode``."""
-        if self._model is None:
-            raise ValueError("sync_buffers() needs DistOpt(..., model=model)")
-        self._model.sync_buffers(mode, root)
-
-    def broadcast_state(self, root: int = 0) -> None:
-        """Give every rank ``root``'s parameters, buffers (with ``model=``) and inner optimizer state
-        (Horovod's ``broadcast_parameters`` plus ``broadcast_optimizer_state``)."""
-        self._model_sync("broadcast_state()").broadcast_state(root)
+        forward, after = (None, None) if self.model_sync is None else self.model_sync.join_hooks()
+        with self._runner.join(None if follower is None else follower.shadow, params, forward, after) as result:
+            yield result
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce of one array or contiguous tensor; returns it (see :class:`~distopt.collectives.Collectives`)."""
@@ -390,6 +366,8 @@ class DistOpt:
         collective raises :class:`~distopt.errors.CommunicatorClosedError` on every rank. The hooks on the
         model's tensors and the optimizer are removed."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
+        if self.follower is not None:
+            self.follower.release()
         self.engine.close()
         self.comm.close()
 

@@ -24,7 +24,7 @@ def half(clipping: bool, clip_Value: float, wire: str, predivide: float | None) 
 def sparse(spars: float, topK: bool, corr: bool) -> Sparse:
     """SINGA's ``*_sparse_*`` arguments: density ``spars``, top-K if ``topK`` (else ``|g| >= spars``),
     error feedback if ``corr``."""
-    return Sparse(spars, topK, corr)
+    return Sparse(density=spars, select="topk" if topK else "threshold", error_feedback=corr)
 
 
 def partial(average_momentum: bool) -> Partial:

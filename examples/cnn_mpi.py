@@ -40,7 +40,7 @@ MOMENTUM = 0.9  # SGD's momentum; DGC keeps it in its velocity and the local SGD
 STRATEGIES: dict[str, Callable[[argparse.Namespace], Strategy]] = {
     "dgc": lambda args: DGC(sparsity=args.dgc_sparsity, momentum=MOMENTUM, clip_norm=args.dgc_clip_norm,
                             warmup_steps=args.dgc_warmup_steps),
-    "powerSGD": lambda args: PowerSGD(rank=args.powersgd_rank, start_step=args.powersgd_start_step,
+    "powerSGD": lambda args: PowerSGD(matrix_rank=args.powersgd_rank, start_step=args.powersgd_start_step,
                                       min_compression_rate=args.powersgd_min_compression_rate),
 }
 """Strategy objects DistOpt is built with (``--dist-option`` dgc / powerSGD); their step is ``plain``'s."""

@@ -3,8 +3,9 @@
 W ranks run as W threads of one process over :class:`SimCommunicator`, an
 in-memory implementation of the communicator protocol: every collective
 deposits this rank's array, waits for all ranks at a barrier, and combines
-the deposits in rank order (so every rank computes bitwise the same
-result). Mismatched collectives (kind, count, dtype, op) raise
+the deposits in rank order as the backends do
+(:func:`distopt.comm.control.reduce_inline`: every rank computes bitwise the
+same result). Mismatched collectives (kind, count, dtype, op) raise
 :class:`~distopt.errors.CollectiveMismatchError` on every rank; a rank that
 never arrives makes the others raise
 :class:`~distopt.errors.CollectiveTimeoutError` naming it.
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from distopt.comm.base import check_reduce_args
+from distopt.comm.control import reduce_inline
 from distopt.comm.lifecycle import Completed
 from distopt.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -82,19 +84,8 @@ class SimCommunicator:
     def all_reduce(self, array: Any, op: str = "sum", kind: str = "all_reduce") -> Any:
         check_reduce_args(array, op)
         parts = self._exchange(kind, array, op)
-        if array.dtype == np.bool_:
-            out = np.logical_and.reduce(parts) if op == "min" else np.logical_or.reduce(parts)
-        else:
-            out = parts[0].copy()
-            for part in parts[1:]:
-                if op in ("sum", "avg"):
-                    out += part
-                elif op == "max":
-                    np.maximum(out, part, out=out)
-                else:
-                    np.minimum(out, part, out=out)
-            if op == "avg":
-                out /= self.size
+        out = np.empty_like(parts[0])
+        reduce_inline(parts, op, out)  # the backends' rank-order reduction of small all-reduces
         array[...] = out
         return array
 

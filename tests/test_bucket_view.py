@@ -18,18 +18,16 @@ from tests.failing_backward import FailingBackward  # noqa: E402
 
 from distopt import SGD, DistOpt  # noqa: E402
 from distopt.comm import create  # noqa: E402
-from distopt.strategies import DGC, Dense, Half, Partial, PowerSGD, Sparse  # noqa: E402
+from distopt.strategies import REGISTRY, GradientStrategy, Half, Partial  # noqa: E402
 from tests.simworld import run_world  # noqa: E402
 
 W, B, STEPS = 2, 4, 3
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
-STRATEGIES: dict[str, tuple[Callable[[], Any], Any, float]] = {  # name: (strategy, model dtype, momentum)
-    "plain": (Dense, torch.float64, 0.9),
-    "half": (Half, torch.float32, 0.9),
-    "sparse": (lambda: Sparse(spars=0.3, topK=True), torch.float64, 0.9),
-    "dgc": (lambda: DGC(sparsity=0.5, momentum=0.9), torch.float64, 0.0),
-    "powersgd": (lambda: PowerSGD(rank=1), torch.float64, 0.9),
-}
+EXAMPLES = {e.id: e for e in REGISTRY.values() if issubclass(e.cls, GradientStrategy)}  # every bucket strategy
+OVERLAPPING = [i for i, e in EXAMPLES.items() if e.cls.supports_overlap]
+AFTER_BACKWARD = [i for i, e in EXAMPLES.items() if not e.cls.supports_overlap]
+STRATEGIES: dict[str, tuple[Callable[[], Any], Any, float]] = {  # id: (strategy, model dtype, momentum)
+    i: (e.build, torch.float32 if e.cls is Half else torch.float64, e.local_momentum) for i, e in EXAMPLES.items()}
 
 
 class _Late:
@@ -93,6 +91,8 @@ def train(how: str, set_to_none: bool, overlap: bool, strategy: str, view: bool)
     (two micro-batches of loss / 2, the first local only).
     """
     make, dtype, momentum = STRATEGIES[strategy]
+    for module in EXAMPLES[strategy].requires:
+        pytest.importorskip(module)
 
     def rank_fn(rank: int, sim: Any) -> Any:
         comm = LateComm(sim)  # results land at wait(), as MPI and NCCL may
@@ -141,7 +141,7 @@ def buffers_of(opt: DistOpt) -> list[Any]:
 @OVERLAP
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
 @pytest.mark.parametrize("how", ["step", "backward_and_update", "no_sync", "passes"])
-@pytest.mark.parametrize("strategy", ["plain", "half"])
+@pytest.mark.parametrize("strategy", OVERLAPPING)
 def test_bitwise_equal_to_the_option_off(strategy, how, set_to_none, overlap):
     off = train(how, set_to_none, overlap, strategy, view=False)
     on = train(how, set_to_none, overlap, strategy, view=True)
@@ -154,7 +154,7 @@ def test_bitwise_equal_to_the_option_off(strategy, how, set_to_none, overlap):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
-@pytest.mark.parametrize("strategy", ["sparse", "dgc", "powersgd"])
+@pytest.mark.parametrize("strategy", AFTER_BACKWARD)
 def test_bitwise_for_the_strategies_that_reduce_after_backward(strategy, set_to_none):
     off = train("step", set_to_none, False, strategy, view=False)
     on = train("step", set_to_none, False, strategy, view=True)
@@ -175,7 +175,7 @@ def grad_in_buffers(p: Any, buffers: list[Any]) -> bool:
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeros"])
 @pytest.mark.parametrize("view", [True, False], ids=["view", "no_view"])
 def test_grad_is_a_view_into_the_bucket_buffers(view, set_to_none, overlap):
-    for params, grads, opt, model in train("step", set_to_none, overlap, "plain", view):
+    for params, grads, opt, model in train("step", set_to_none, overlap, "dense", view):
         buffers = buffers_of(opt)
         assert len(buffers) >= 2  # buffSize=16: several buckets
         trainable = [p for p in model.parameters() if p.grad is not None]
@@ -234,7 +234,7 @@ def gradient_memory(opt: DistOpt, model: Any) -> tuple[int, int]:
 def test_memory_one_copy_of_the_gradients_instead_of_two(set_to_none, overlap):
     ratios = {}
     for view in (True, False):
-        for rank, (_, _, opt, model) in enumerate(train("step", set_to_none, overlap, "plain", view)):
+        for rank, (_, _, opt, model) in enumerate(train("step", set_to_none, overlap, "dense", view)):
             grad_bytes, held = gradient_memory(opt, model)
             ratios[view, rank] = held / grad_bytes
     for rank in range(W):

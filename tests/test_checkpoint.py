@@ -14,13 +14,10 @@ import pytest
 
 import distopt
 from distopt import SGD, DistOpt
-from distopt.strategies import Dense, Half, Partial, Sparse
+from distopt.strategies import REGISTRY, Dense, Partial, Sparse
 from tests.simworld import RankFailed, run_world
 
 torch = pytest.importorskip("torch")
-
-STRATEGIES = [Dense(), Half(), Sparse(spars=0.25, topK=True), Partial(chunk_size=4)]
-
 
 def _train(comm, strategy, steps=3, momentum=0.9):
     opt = DistOpt(SGD(lr=0.1, momentum=momentum), comm=comm, strategy=strategy)
@@ -32,15 +29,18 @@ def _train(comm, strategy, steps=3, momentum=0.9):
     return opt, params
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
-def test_state_dict_round_trips_through_torch_load_weights_only(strategy):
+@pytest.mark.parametrize("example", REGISTRY.values(), ids=lambda e: e.id)
+def test_state_dict_round_trips_through_torch_load_weights_only(example):
+    for module in example.requires:
+        pytest.importorskip(module)
+
     def rank_fn(rank, comm):
-        opt, params = _train(comm, type(strategy)(**_args(strategy)))
+        opt, params = _train(comm, example.build(), momentum=example.local_momentum)
         buf = io.BytesIO()
         torch.save(opt.state_dict(), buf)
         buf.seek(0)
         restored = torch.load(buf, weights_only=True)  # raises on anything but tensors and plain data
-        fresh, again = _train(comm, type(strategy)(**_args(strategy)), steps=0)
+        fresh, again = _train(comm, example.build(), steps=0, momentum=example.local_momentum)
         for p, q in zip(again, params):
             p[...] = q
         fresh.load_state_dict(restored)
@@ -53,24 +53,19 @@ def test_state_dict_round_trips_through_torch_load_weights_only(strategy):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))  # bitwise the same next step
 
 
-def _args(strategy):
-    return {"spars": 0.25, "topK": True} if isinstance(strategy, Sparse) else \
-        {"chunk_size": 4} if isinstance(strategy, Partial) else {}
-
-
 @pytest.mark.parametrize("world", [1, 3])
 def test_checkpoint_written_at_w2_resumes_at_another_world_size(tmp_path, caplog, world):
     path = tmp_path / "ckpt.pt"
 
     def writer(rank, comm):
-        opt, params = _train(comm, Sparse(spars=0.25, topK=True))
+        opt, params = _train(comm, Sparse(density=0.25, select="topk"))
         distopt.save(path, params, opt)
         return opt.state_dict()
 
     written = run_world(2, writer)
 
     def reader(rank, comm):
-        opt = DistOpt(SGD(lr=0.1, momentum=0.9), comm=comm, strategy=Sparse(spars=0.25, topK=True))
+        opt = DistOpt(SGD(lr=0.1, momentum=0.9), comm=comm, strategy=Sparse(density=0.25, select="topk"))
         params = distopt.load(path, opt)
         return params, opt.state_dict()
 

@@ -427,7 +427,7 @@ def test_densify_into_out_equals_a_new_array(dtype):
 def test_fast_casts_are_bitwise_numpy_casts(monkeypatch, wire, scale):
     """PyTorch's cast kernels (used for NumPy float32 arrays when PyTorch is installed) == NumPy's casts."""
     pytest.importorskip("torch")
-    from distopt import _fastcast
+    from distopt.core import _fastcast
 
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.standard_normal(70_000).astype(np.float32) * s for s in (1e-7, 1.0, 3e4)]
@@ -446,7 +446,7 @@ def test_fast_casts_are_bitwise_numpy_casts(monkeypatch, wire, scale):
 def test_fast_sum_of_16_bit_rows_is_the_float32_sum_rounded_once(monkeypatch, wire, n_rows):
     """The MPI backend's 16-bit sum (PyTorch kernels) == NumPy: rows added in float32, rounded once."""
     pytest.importorskip("torch")
-    from distopt import _fastcast
+    from distopt.core import _fastcast
 
     dtype = np.dtype(np.float16) if wire == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
     rng = np.random.default_rng(7)

@@ -3,7 +3,8 @@
 Numerics are proven against one process on the whole batch (float64,
 1e-10); SINGA's per-call methods against the strategy objects (bitwise);
 the two bugs of the old centre (join after sparse/partial, a bucket whose
-layout changes) for every strategy, overlap on and off.
+layout changes) for every SINGA method, overlap on and off. The invariants
+of every registered strategy object are in ``tests/test_strategy_conformance.py``.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from distopt.strategies import Dense, Half, Partial, Sparse
 from tests import models
 from tests.simworld import RankFailed, run_world, second_world
 
-STRATEGIES = {
+STRATEGIES = {  # SINGA's methods and the strategy objects they build
     "plain": (Dense, {}, lambda o, p, g, t: o.step(p, g, t)),
     "half": (Half, {"wire": "float16"}, lambda o, p, g, t: o.step_half(p, g, t)),
-    "topk": (Sparse, {"spars": 0.3, "topK": True}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.3, True)),
-    "threshold": (Sparse, {"spars": 0.05}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.05, False)),
+    "topk": (Sparse, {"density": 0.3, "select": "topk"}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.3, True)),
+    "threshold": (Sparse, {"density": 0.05}, lambda o, p, g, t: o.step_sparse(p, g, t, 0.05, False)),
     "partial": (Partial, {}, lambda o, p, g, t: o.step_partial(p, g, t)),
 }
 
@@ -218,15 +219,6 @@ def test_different_strategies_across_ranks_error_on_every_rank():
 def test_strategy_argument_is_checked():
     with pytest.raises(RankFailed, match="TypeError: strategy must be a distopt.strategies.Strategy"):
         run_world(1, lambda rank, comm: _opt(comm, strategy="sparse"))
-
-
-def test_strategy_settings_are_validated_at_construction():
-    with pytest.raises(ValueError, match="spars must be in"):
-        Sparse(spars=2.0, topK=True)
-    with pytest.raises(ValueError, match="wire must be one of"):
-        Half(wire="int8")
-    with pytest.raises(ValueError, match="chunk_size"):
-        Partial(chunk_size=0)
 
 
 # -------------------------------------------------------------------- state

@@ -170,12 +170,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_launcher(tmp_path: Path, argv: list[str], sig: int) -> None:
-    """Start the launcher, wait for 5 steps on both ranks, send ``sig`` to it alone; check all ends in time."""
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` has SIGINT ignored (bit SIGINT - 1 of the SigIgn mask in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+
+def _kill_launcher(tmp_path: Path, argv: list[str], sig: int, ignore_sigint: bool = False) -> None:
+    """Start the launcher, wait for 5 steps on both ranks, send ``sig`` to it alone; check all ends in time.
+
+    With ``ignore_sigint`` the launcher starts with SIGINT ignored (as under ``nohup``); otherwise it
+    inherits this process's disposition (ignored too when pytest runs as a background shell job).
+    Either way the ranks must not have SIGINT ignored.
+    """
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                DISTOPT_TIMEOUT="30", OMP_NUM_THREADS="1")
     parent = subprocess.Popen([sys.executable, *argv, str(tmp_path)], cwd=tmp_path, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                              preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint
+                              else None)
     try:
         deadline = time.monotonic() + 40
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
@@ -185,6 +199,7 @@ def _kill_launcher(tmp_path: Path, argv: list[str], sig: int) -> None:
             time.sleep(0.05)
         job_id = (tmp_path / "job").read_text()
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        assert [r for r, pid in enumerate(pids) if _ignores_sigint(pid)] == [], "ranks inherit an ignored SIGINT"
         parent.send_signal(sig)
         limit = 15 if sig == signal.SIGKILL else 10
         deadline = time.monotonic() + limit
@@ -216,3 +231,13 @@ def test_h45_spawn_parent_killed(tmp_path, sig):
 def test_h45_cli_launcher_killed(tmp_path, sig):
     (tmp_path / "child.py").write_text(CLI_CHILD)
     _kill_launcher(tmp_path, ["-m", "distopt.launch", "-n", "2", "child.py"], sig)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("launcher", ["spawn", "cli"])
+def test_h45_launcher_with_sigint_ignored_ends_job(tmp_path, launcher):
+    """As torchrun: SIGINT ends the job even when the launcher started with SIGINT ignored."""
+    script, argv = {"spawn": (SPAWN_PARENT, ["parent.py"]),
+                    "cli": (CLI_CHILD, ["-m", "distopt.launch", "-n", "2", "child.py"])}[launcher]
+    (tmp_path / argv[-1]).write_text(script)
+    _kill_launcher(tmp_path, argv, signal.SIGINT, ignore_sigint=True)

@@ -135,3 +135,35 @@ def test_the_checks_can_fail():
 def test_module_is_at_most_400_lines(module: str):
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES}): split it by responsibility"
+
+
+README = PACKAGE.parent / "README.md"
+
+
+def _readme_block(marker: str) -> list[str]:
+    lines = README.read_text().splitlines()
+    start = lines.index(f"<!-- {marker} -->") + 2  # the marker, then the opening fence
+    end = lines.index("```", start)
+    return lines[start:end]
+
+
+def test_readme_layout_names_every_folder_and_only_existing_paths():
+    named = [line.split()[0] for line in _readme_block("layout")]
+    missing = [p for p in named if not (PACKAGE.parent / p).exists()]
+    assert not missing, f"README's layout names paths that do not exist: {missing}"
+    folders = sorted(f"distopt/{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    unlisted = [f for f in folders if f not in named]
+    assert not unlisted, f"README's layout does not list {unlisted}"
+
+
+def test_readme_strategy_table_lists_every_strategy():
+    import inspect
+
+    import distopt.strategies as strategies
+
+    concrete = [c for c in vars(strategies).values()
+                if inspect.isclass(c) and issubclass(c, strategies.Strategy) and getattr(c, "name", None)]
+    assert len(concrete) >= 6
+    text = README.read_text()
+    missing = [c.__name__ for c in concrete if f"`{c.__name__}(" not in text]
+    assert not missing, f"README's strategy table does not list {missing}"

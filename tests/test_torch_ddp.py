@@ -272,23 +272,27 @@ def test_close_removes_the_hooks_from_the_model_and_optimizer():
     second.close()
 
 
+@pytest.mark.parametrize("initial", [True, False], ids=["ddp_divisor", "active_divisor"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_join_with_a_torch_optimizer_keeps_replicas_identical_and_averages_over_active_ranks(overlap):
+def test_join_with_a_torch_optimizer_keeps_replicas_identical_and_divides_as_asked(overlap, initial):
     """Rank 0 has 2 batches, rank 1 has 4, in the DDP idiom inside ``opt.join()``: while rank 0 shadows,
-    both ranks step with rank 1's gradient alone (the average over the ranks that contributed)."""
+    both ranks step with rank 1's gradient divided by the world size (DDP's default: the joined rank
+    contributes zeros) or, with ``divide_by_initial_world_size=False``, by the ranks that contributed.
+    Rank 1 joined last."""
     counts = [2, 4]
 
     def rank_fn(rank, comm):
         model = make_model(seed=rank)
-        opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=overlap)
-        with opt.join():
+        opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=overlap,
+                      divide_by_initial_world_size=initial)
+        with opt.join() as joined:
             for step in range(counts[rank]):
                 x, y = batch(step)
                 mine = slice(B * rank, B * (rank + 1))
                 opt.zero_grad()
                 loss_of(model, x[mine], y[mine]).backward()
                 opt.step()
-        return [p.detach().clone() for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], joined.last_joined
 
     ranks = run_world(W, rank_fn)
     ref = make_model(seed=0)
@@ -297,8 +301,10 @@ def test_join_with_a_torch_optimizer_keeps_replicas_identical_and_averages_over_
         x, y = batch(step)
         active = [r for r in range(W) if step < counts[r]]
         sgd.zero_grad()
-        sum(loss_of(ref, x[B * r:B * (r + 1)], y[B * r:B * (r + 1)]) for r in active).div(len(active)).backward()
+        sum(loss_of(ref, x[B * r:B * (r + 1)], y[B * r:B * (r + 1)]) for r in active).div(
+            W if initial else len(active)).backward()
         sgd.step()
-    for a, b in zip(ranks[0], ranks[1]):
+    assert [last for _, last in ranks] == [1, 1]
+    for a, b in zip(ranks[0][0], ranks[1][0]):
         assert torch.equal(a, b)
-    assert max(float((a - b).abs().max()) for a, b in zip(ranks[0], ref.parameters())) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(ranks[0][0], ref.parameters())) < 1e-12

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 __all__ = ["STALLED", "UNUSABLE", "where", "timeout_message", "failure_message", "mismatch_message"]
 
 #: Why a collective usually misses its deadline.
-STALLED = "a rank died, is stuck, or ran a different number of steps"
+STALLED = "a rank that died, is stuck, or ran a different number of steps"
 #: What a backend whose state is undefined after a failed collective says of itself.
 UNUSABLE = "the communicator is unusable now"
 

@@ -9,10 +9,9 @@ persistent collective, set up once: MPI 4's ``Allgather_init``); a difference
 raises :class:`~distopt.errors.CollectiveMismatchError` on every rank instead
 of a partial or garbled result. Small calls (up to 512 bytes per
 rank) carry their data in that same exchange (see
-:mod:`~distopt.comm.descriptor`): one collective per call. On a
+:mod:`~distopt.comm.control`): one collective per call. On a
 timeout, the error names the ranks that did not arrive and the collective
-each one is in, read from a small RMA window where every rank posts its
-collective sequence number (passive one-sided ``Rget``, itself bounded).
+each one is in (:mod:`~distopt.comm.mpi_where`).
 
 float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
 (``MPI.UINT16_T``, 2 bytes per element on the wire) and are summed by a
@@ -21,9 +20,8 @@ reduce-scatter, a float32 sum rounded once, and an all-gather
 """
 from __future__ import annotations
 
-import struct
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -37,15 +35,21 @@ except RuntimeError as exc:  # mpi4py 4 loads libmpi at import: "cannot load MPI
         "plain single process"
     ) from exc
 
-from ..errors import CollectiveTimeoutError, DistOptError
-from ..core._fastcast import cast_into
-from . import descriptor
-from .descriptor import KINDS as _KINDS, dtype_code as _dtype_code, kind_name as _kind
+from ..errors import CollectiveTimeoutError
+from ..launch.ranks import describe
+from . import control
 from .base import REDUCE_OPS, check_reduce_args
-from .staging import staged, staged_async
-from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
+from .control import dtype_code as _dtype_code
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
+from .messages import STALLED, UNUSABLE, timeout_message, where
+from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
+from .mpi_where import WhereChannel
+from .staging import staged, staged_async
 from .wait import Backoff, resolve_timeout, wait_until
+
+if TYPE_CHECKING:
+    from ..launch.ranks import RankInfo
+    from ..launch.world import Launch
 
 __all__ = ["MPICommunicator"]
 
@@ -62,7 +66,6 @@ _MPI_TYPES: dict[np.dtype, Any] = {
     np.dtype(np.uint64): MPI.UINT64_T,
     np.dtype(np.bool_): MPI.C_BOOL,
 }
-_WHERE = struct.Struct("<2q")  # this rank's (collective sequence number, kind) in the side channel
 _NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
 #: Seconds a wait polls MPI without sleeping before it starts backing off.
@@ -155,21 +158,36 @@ class MPICommunicator(CommunicatorState):
         self._halves = HalfQueue(self._comm.Dup())  # the all-gathers of 16-bit sums, in start order
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
-        self._seq = 0
-        self._broken: str | None = None
-        # side channel "who is where": each rank exposes (collective seq, kind) in an RMA window that
-        # peers read passively when a collective times out, to name the ranks that did not arrive
-        self._win = MPI.Win.Allocate(16, disp_unit=8, comm=self._comm)
-        self._win.Lock_all(MPI.MODE_NOCHECK)
-        self._where = self._win.tomemory()
-        _WHERE.pack_into(self._where, 0, 0, -1)
-        self._inline = descriptor.inline_bytes(self.size)
-        self._block = np.zeros(descriptor.block_bytes(self.size), dtype=np.uint8)
-        self._table = np.empty((self.size, self._block.size), dtype=np.uint8)
-        self._persistent, self._start_exchange = _control_exchange(self._comm, self._block, self._table)
-        self._heads = self._table.view(np.int64)[:, :4]  # every rank's descriptor, after an exchange
-        self._typed: dict[np.dtype, np.ndarray] = {}  # the table viewed as each dtype reduced inline
+        self._where = WhereChannel(self._comm)
+        block, table = control.new_buffers(self.size)
+        self._persistent, self._start_exchange = _control_exchange(self._comm, block, table)
+        self._ctl = control.ControlBlock("mpi", self.rank, block, table, self._exchange)
         close_at_exit(self)
+
+    @classmethod
+    def from_launch(cls, launch: Launch) -> tuple[MPICommunicator, RankInfo]:
+        """Join ``MPI.COMM_WORLD``; the ranks come from the launch (arguments, launcher variables) or,
+        where it tells nothing, from MPI itself (node grouping; collective).
+
+        Raises:
+            ValueError: the launch's ranks disagree with MPI's (the message
+                names the launcher's variables and the fix).
+        """
+        comm = cls(timeout=launch.timeout)
+        info = launch.rank_info(mpi_comm=comm.raw)
+        if (info.global_rank, info.world_size) == (comm.rank, comm.size):
+            return comm, info
+        comm.close()
+        if info.source == "explicit":
+            fix = "check gpu_num/gpu_per_node"
+        elif info.source in ("OMPI", "MPICH"):
+            fix = "start the job with the mpiexec of the MPI library mpi4py loads (pip's mpich: .venv/bin/mpiexec)"
+        else:
+            fix = ("under torchrun or srun without MPI support, use backend='torch' (torchrun sets MASTER_ADDR and "
+                   "MASTER_PORT; under srun export them), or srun --mpi=pmix with an MPI library built for Slurm")
+        raise ValueError(
+            f"rank information from {describe(info, launch.env)} (rank {info.global_rank} of {info.world_size}) "
+            f"disagrees with MPI (rank {comm.rank} of {comm.size}): {fix}")
 
     @property
     def raw(self) -> Any:
@@ -183,11 +201,9 @@ class MPICommunicator(CommunicatorState):
         # MPI advances a non-blocking collective only inside MPI calls: poll without sleeping for
         # BUSY_POLL seconds, then back off (yielding the core to oversubscribed ranks), bounded
         def expired() -> CollectiveTimeoutError:
-            self._broken = what
-            return CollectiveTimeoutError(
-                f"{what} on rank {self.rank} did not complete within {self.timeout:g} s: "
-                f"{self._missing_report()}; a rank that died, is stuck, or ran a different number "
-                "of steps; the communicator is unusable now")
+            self._ctl.broken = what
+            return CollectiveTimeoutError(timeout_message(where("mpi", what, self.rank), self.timeout,
+                                                          f"{STALLED}; {UNUSABLE}", self._where.missing(self._ctl.seq)))
 
         halves = self._halves
 
@@ -198,57 +214,10 @@ class MPICommunicator(CommunicatorState):
 
         wait_until(done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
 
-    def _missing_report(self, per_rank_s: float = 1.0) -> str:
-        """Read every rank's (seq, kind) from the side channel: who has not reached this collective."""
-        behind = []
-        for r in range(self.size):
-            if r == self.rank:
-                continue
-            got = np.zeros(2, dtype=np.int64)
-            request = self._win.Rget([got, MPI.INT64_T], r)
-            start = time.monotonic()
-            while not request.Test():
-                if time.monotonic() - start > per_rank_s:
-                    behind.append(f"{r} (unresponsive)")
-                    break
-            else:
-                if got[0] < self._seq:
-                    at = f"{_kind(got[1])} #{got[0]}" if got[1] >= 0 else "no collective yet"
-                    behind.append(f"{r} (at {at})")
-        if not behind:
-            return "every rank reached it; the collective itself stalled"
-        return "ranks that did not arrive: " + ", ".join(behind)
-
-    def _agree(self, kind: str, count: int, code: int, payload: np.ndarray | None = None
-               ) -> tuple[str, np.ndarray]:
-        """Exchange (kind, seq, count, code) and ``payload`` (at most ``self._inline`` bytes) in one
-        fixed-size control block; raise on every rank if ranks differ.
-
-        Returns:
-            The call's name for messages, and every rank's inline bytes
-            (uint8, shape ``(size, inline)``; row r is rank r's).
-        """
-        if self._broken is not None:
-            raise DistOptError(f"communicator unusable after a failed collective ({self._broken})")
-        self._seq = seq = self._seq + 1
-        code_of_kind = _KINDS.index(kind)
-        _WHERE.pack_into(self._where, 0, seq, code_of_kind)
-        self._win.Sync()
-        what = f"{kind} #{seq}"
-        descriptor.encode(self._block, code_of_kind, seq, count, code, payload)
+    def _exchange(self, what: str) -> None:
+        """The control block's exchange: post this call's (seq, kind) to the side channel, all-gather."""
+        self._where.post(self._ctl.seq, self._ctl.kind)
         self._wait(self._start_exchange(), what)
-        if not descriptor.same(self._heads):
-            descriptor.check(self._heads.copy(), what)
-        return what, self._table[:, descriptor.HEAD_BYTES:]  # read by the caller before the next call
-
-    def _inline_rows(self, like: np.ndarray) -> np.ndarray:
-        """Every rank's inline copy of an array like ``like`` as a view into the table (no copy: read it
-        before the next call): shape ``(size, like.size)``."""
-        typed = self._typed.get(like.dtype)
-        if typed is None:  # blocks and the descriptor are multiples of 8 bytes, the largest item size
-            typed = self._typed[like.dtype] = self._table.view(like.dtype)
-        start = descriptor.HEAD_BYTES // like.itemsize
-        return typed[:, start:start + like.size]
 
     def _buffer(self, array: Any) -> tuple[Any, Any]:
         if not isinstance(array, np.ndarray):
@@ -277,11 +246,11 @@ class MPICommunicator(CommunicatorState):
         check_reduce_args(array, op)
         buf, mpi_type = self._buffer(array)
         code = _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
-        if array.nbytes <= self._inline:
-            self._agree("all_reduce", array.size, code, array)
-            descriptor.reduce_rows(self._inline_rows(array), op, array)
+        if array.nbytes <= self._ctl.inline:
+            self._ctl.agree("all_reduce", array.size, code, array)
+            control.reduce_inline(self._ctl.rows(array.dtype, array.size), op, array.reshape(-1))
             return array
-        what, _ = self._agree("all_reduce", array.size, code)
+        what = self._ctl.agree("all_reduce", array.size, code)
         if array.size and self.size > 1:
             self._wait(self._start(array, buf, mpi_type, op), what)
         if op == "avg":
@@ -323,11 +292,11 @@ class MPICommunicator(CommunicatorState):
             raise ValueError(f"root must be in [0, {self.size}), got {root}")
         buf, mpi_type = self._buffer(array)
         code = _dtype_code(array.dtype) * 64 + root
-        if array.nbytes <= self._inline:
-            self._agree("broadcast", array.size, code, array if self.rank == root else None)
-            array.reshape(-1)[...] = self._inline_rows(array)[root]
+        if array.nbytes <= self._ctl.inline:
+            self._ctl.agree("broadcast", array.size, code, array if self.rank == root else None)
+            array.reshape(-1)[...] = self._ctl.rows(array.dtype, array.size)[root]
             return array
-        what, _ = self._agree("broadcast", array.size, code)
+        what = self._ctl.agree("broadcast", array.size, code)
         if array.size and self.size > 1:
             self._wait(self._comm.Ibcast([buf, mpi_type], root=root), what)
         return array
@@ -338,11 +307,11 @@ class MPICommunicator(CommunicatorState):
         """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
         buf, mpi_type = self._buffer(array)
         out = np.empty((self.size, *array.shape), dtype=array.dtype)
-        if array.nbytes <= self._inline:
-            self._agree("all_gather", array.size, _dtype_code(array.dtype), array)
-            out.reshape(self.size, -1)[...] = self._inline_rows(array)
+        if array.nbytes <= self._ctl.inline:
+            self._ctl.agree("all_gather", array.size, _dtype_code(array.dtype), array)
+            out.reshape(self.size, -1)[...] = self._ctl.rows(array.dtype, array.size)
             return out
-        what, _ = self._agree("all_gather", array.size, _dtype_code(array.dtype))
+        what = self._ctl.agree("all_gather", array.size, _dtype_code(array.dtype))
         if array.size:
             self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
         return out
@@ -355,12 +324,13 @@ class MPICommunicator(CommunicatorState):
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
         buf, mpi_type = self._buffer(array)
         # the block carries this rank's length, then its data if it fits (and every rank's fits)
-        fits = array.nbytes + 8 <= self._inline
+        fits = array.nbytes + 8 <= self._ctl.inline
         mine = np.concatenate([np.array([array.size], dtype=np.int64).view(np.uint8),
                                array.view(np.uint8) if fits else np.zeros(0, np.uint8)])
-        what, inline = self._agree("all_gather_v", 0, _dtype_code(array.dtype), mine)
+        what = self._ctl.agree("all_gather_v", 0, _dtype_code(array.dtype), mine)
+        inline = self._ctl.rows(np.dtype(np.uint8), self._ctl.inline)
         counts = np.ascontiguousarray(inline[:, :8]).view(np.int64).reshape(-1)
-        if (counts * array.itemsize + 8 <= self._inline).all():
+        if (counts * array.itemsize + 8 <= self._ctl.inline).all():
             return [inline[r, 8:8 + int(c) * array.itemsize].copy().view(array.dtype)  # copies: the table is reused
                     for r, c in enumerate(counts)]
         out = np.empty(int(counts.sum()), dtype=array.dtype)
@@ -373,7 +343,7 @@ class MPICommunicator(CommunicatorState):
     @collective
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
-        self._agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
+        self._ctl.agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
 
     def close(self) -> None:
         """Free the side-channel window and the duplicated communicator; idempotent.
@@ -391,7 +361,7 @@ class MPICommunicator(CommunicatorState):
             return
         self.closed = True
         forget_at_exit(self)
-        vote = np.array([0 if self._broken else 1], dtype=np.int32)
+        vote = np.array([0 if self._ctl.broken else 1], dtype=np.int32)
         try:
             self._wait(self._control.Iallreduce(MPI.IN_PLACE, [vote, MPI.INT32_T], MPI.MIN), "close")
         except CollectiveTimeoutError:
@@ -399,8 +369,7 @@ class MPICommunicator(CommunicatorState):
         if vote[0]:
             if self._persistent is not None:
                 self._persistent.Free()
-            self._win.Unlock_all()
-            self._win.Free()
+            self._where.free()
             self._comm.Free()
             self._control.Free()
             self._halves.gather_comm.Free()

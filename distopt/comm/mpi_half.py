@@ -5,7 +5,7 @@ average) is done as a reduce-scatter and an all-gather, the algorithm MPI
 libraries use for large all-reduces (Rabenseifner; Thakur, Rabenseifner &
 Gropp 2005), with the reduction done by distopt between the two: an
 ``Ialltoallv`` hands rank r every rank's copy of chunk r, rank r adds them
-in float32 and rounds once (:func:`distopt._fastcast.sum_rows`, PyTorch's
+in float32 and rounds once (:func:`distopt.core._fastcast.sum_rows`, PyTorch's
 kernels where installed), and an in-place
 ``Iallgatherv`` spreads the reduced chunks. Every rank ends with the same
 bits; the wire carries the same bytes as a ring all-reduce of 16-bit words.

@@ -16,7 +16,7 @@ two ranks on one GPU ("Duplicate GPU detected").
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,9 +27,15 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
     raise ImportError(f"the NCCL backend needs CuPy with NCCL: {exc}") from exc
 
 from ..errors import CollectiveTimeoutError, DistOptError
+from ..launch.devices import device_index
 from .base import check_reduce_args
 from .lifecycle import CommunicatorState, Completed, collective
+from .messages import STALLED, failure_message, timeout_message, where
 from .wait import Backoff, resolve_timeout, wait_until
+
+if TYPE_CHECKING:
+    from ..launch.ranks import RankInfo
+    from ..launch.world import Launch
 
 _BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 
@@ -114,6 +120,26 @@ class NcclCommunicator(CommunicatorState):
         self._comm = _open(self.size, unique_id, self.rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)
 
+    @classmethod
+    def from_launch(cls, launch: Launch) -> tuple[NcclCommunicator, RankInfo]:
+        """Build it with its host control plane: in the multiprocessing mode shared memory and the
+        holder's NCCL id, else MPI (ranks from MPI, rank 0's new NCCL id broadcast over it).
+
+        Raises:
+            BackendUnavailableError: MPI is needed but cannot be imported.
+            ValueError: as the control plane's ``from_launch``, or a holder without an NCCL id.
+        """
+        from . import backend_class
+
+        if launch.holder is not None:
+            control, info = backend_class("shm").from_launch(launch)
+            unique_id = launch.holder.nccl_id
+        else:
+            control, info = backend_class("mpi").from_launch(launch)
+            unique_id = unique_id_from_mpi(control)
+        device = device_index(info.local_rank, launch.env, local_size=info.local_size)
+        return cls(info.global_rank, info.world_size, unique_id, device, launch.timeout, control), info
+
     def _host_wait(self, what: str) -> None:
         """Wait on the host until the caller's stream has passed the last collective, bounded.
 
@@ -131,13 +157,13 @@ class NcclCommunicator(CommunicatorState):
                 self._comm.check_async_error()
             except nccl.NcclError as exc:
                 self._abort()
-                raise DistOptError(f"{what} on rank {self.rank}: NCCL error {exc}; communicator aborted") from exc
+                raise DistOptError(failure_message(where("nccl", what, self.rank), f"NCCL error {exc}",
+                                                   "communicator aborted")) from exc
 
         def expired() -> CollectiveTimeoutError:
             self._abort()
-            return CollectiveTimeoutError(
-                f"{what} on rank {self.rank} did not complete within {self.timeout:g} s (a rank died, is "
-                "stuck, or ran a different number of steps); NCCL communicator aborted")
+            return CollectiveTimeoutError(timeout_message(where("nccl", what, self.rank), self.timeout,
+                                                          f"{STALLED}; NCCL communicator aborted"))
 
         wait_until(lambda: done.done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF, check=check,
                    check_every_s=0.0)

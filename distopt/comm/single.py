@@ -8,10 +8,15 @@ type (NumPy, CuPy, torch tensors): nothing moves.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..launch.ranks import describe
 from .base import check_reduce_args
 from .lifecycle import CommunicatorState, Completed, collective
+
+if TYPE_CHECKING:
+    from ..launch.ranks import RankInfo
+    from ..launch.world import Launch
 
 __all__ = ["SingleCommunicator"]
 
@@ -31,6 +36,19 @@ class SingleCommunicator(CommunicatorState):
 
     def __init__(self, timeout: float | None = None) -> None:  # noqa: ARG002 (nothing waits)
         self.rank, self.size = 0, 1
+
+    @classmethod
+    def from_launch(cls, launch: Launch) -> tuple[SingleCommunicator, RankInfo]:
+        """Build it for a plain ``python train.py`` (or a forced ``backend="single"``).
+
+        Raises:
+            ValueError: the launch says the world has more than one process.
+        """
+        info = launch.rank_info()
+        if info.world_size != 1:
+            raise ValueError(f"backend='single' is a world of one process, but {describe(info, launch.env)} "
+                             f"say {info.world_size}; leave backend unset")
+        return cls(), info
 
     @collective
     def all_reduce(self, array: Any, op: str = "sum") -> Any:

@@ -8,7 +8,7 @@ Two forms, after SINGA's multiprocess launch (one ``NcclIdHolder`` shared by
 * ``python -m distopt.launch -n 4 script.py args...`` (or ``-m module``)
   runs four copies of any distopt script unchanged, with ``RANK``,
   ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``DISTOPT_JOB_ID``
-  set: ``DistOpt(opt)`` (:func:`distopt.world.build_world`) then joins the
+  set: ``DistOpt(opt)`` (:func:`distopt.launch.world.build_world`) then joins the
   job over shared memory.
 
 In both, the first worker that fails (raises, exits non-zero or is killed)
@@ -18,7 +18,10 @@ process itself is ended (SIGTERM, SIGINT, or SIGKILL), the workers end too:
 they get SIGTERM from the kernel when their parent dies (Linux
 ``PR_SET_PDEATHSIG``), and the job's shared-memory segments are removed
 (by the launcher on SIGTERM/SIGINT, by the workers' resource tracker after
-a SIGKILL).
+a SIGKILL). Both launchers install their own SIGTERM and SIGINT handlers,
+so SIGINT ends the job even where the launcher started with it ignored (a
+background shell job, ``nohup``, some CI runners); the workers, started
+after that, do not inherit the ignored SIGINT.
 """
 from __future__ import annotations
 
@@ -36,8 +39,6 @@ import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
-
-from tqdm import tqdm
 
 from ._pdeath import _prctl_pdeathsig, die_with_parent
 from ..errors import DistOptError
@@ -170,9 +171,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     module). ``gpu_num`` is the rank (0 .. nprocs-1), ``gpu_per_node`` is
     ``nprocs``. Workers' ``logging`` records are written to this process's
     stdout as ``[rank R] LEVEL logger: message``: records at ``log_level`` and
-    above from rank 0, WARNING and above from the others. A KeyboardInterrupt
-    in this process terminates every worker and propagates. Afterwards any
-    shared-memory segment of the job left by a killed worker is unlinked.
+    above from rank 0, WARNING and above from the others. Called from the
+    main thread, it makes SIGINT a KeyboardInterrupt and SIGTERM a
+    ``SystemExit(143)`` until it returns, even where SIGINT was ignored; either
+    terminates every worker and propagates. Afterwards any shared-memory
+    segment of the job left by a killed worker is unlinked.
 
     Args:
         fn: the worker function.
@@ -205,7 +208,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     procs: list = []
     conns: dict[Connection, int] = {}
     failure = None
-    previous = _exit_on_sigterm()
+    previous = _end_on_signals()
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
@@ -227,8 +230,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
             log_queue.cancel_join_thread()
         log_queue.close()
         unlink_segments(holder.job_id, untrack=True)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failure is not None:
         rank, text, reason = failure
         code = procs[rank].exitcode
@@ -236,15 +239,39 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
                                 text, code)
 
 
-def _exit_on_sigterm() -> Any:
-    """In the main thread, make SIGTERM a ``SystemExit(143)`` (so cleanup runs); return the old handler."""
+def _exit_143(*_: Any) -> None:
+    sys.exit(128 + signal.SIGTERM)
+
+
+def _end_on_signals() -> dict[int, Any]:
+    """In the main thread, make SIGTERM a ``SystemExit(143)`` and SIGINT a KeyboardInterrupt (so cleanup runs).
+
+    Installed whatever the inherited disposition: a shell starts a background
+    job with SIGINT ignored, and its children would inherit that.
+
+    Returns:
+        The previous handlers that can be put back (``signal.signal``'s
+        return value, where Python installed them); empty outside the main
+        thread, where handlers cannot be set.
+    """
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        return {}
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _exit_143),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    return {sig: handler for sig, handler in previous.items() if handler is not None}
 
 
 def progress(iterable: Iterable[T], rank: int, **kwargs: Any) -> Iterable[T]:
-    """``tqdm(iterable)`` on rank 0; the bare iterable (no bar) on the others."""
+    """``tqdm(iterable, **kwargs)`` on rank 0; the bare iterable (no bar) on the others.
+
+    Raises:
+        ImportError: tqdm is not installed (on every rank alike), naming the
+            extra that installs it.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ImportError(f"distopt.launch.progress needs tqdm ({exc}): pip install 'distopt[progress]'") from exc
     return tqdm(iterable, **kwargs) if rank == 0 else iterable
 
 
@@ -329,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
 
     0 when every copy exits 0; otherwise the first failing rank's exit code
     (128 + signal number for a signal), after terminating the others; 130 on
-    Ctrl-C, 143 on SIGTERM (the children are terminated too). The job's
-    shared-memory segments are removed at the end in every case.
+    SIGINT (Ctrl-C, even where the launcher started with SIGINT ignored), 143
+    on SIGTERM (the children are terminated too). The job's shared-memory
+    segments are removed at the end in every case.
     """
     from ..comm.shm import unlink_segments
 
@@ -344,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     job_id = new_job_id()
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    _end_on_signals()
     try:
         for rank in range(ns.nproc):
             proc, tagging = _start(rank, ns.nproc, job_id, command, ns.tag_output)

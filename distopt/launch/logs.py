@@ -46,7 +46,7 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None, stream: Te
     Args:
         level: the lowest level shown on rank 0 (others: ``max(level, WARNING)``).
         rank: this process's global rank; default: from the launcher's
-            environment variables (:func:`distopt.ranks.from_env`), else 0.
+            environment variables (:func:`distopt.launch.ranks.from_env`), else 0.
         stream: where records go; default ``sys.stderr``.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Build the communicator and the rank information for one process, from the launch mode.
+"""The rule that picks the backend for the launch mode; the backend then builds itself from the launch.
 
 The rule (one table in ``docs/launch.md``), first match wins:
 
@@ -20,7 +20,9 @@ a plain ``python train.py``              none               ``single`` (world si
 ``backend=`` forces a choice; a backend that does not fit the launch mode
 is a ``ValueError`` saying what fits, and one whose dependency is missing a
 :class:`~distopt.errors.BackendUnavailableError`: there is never a fallback.
-The choice is logged once, on rank 0.
+The chosen backend's class builds the communicator from a :class:`Launch`
+(``from_launch``; the MPI-based ones also find the ranks, from MPI). The
+choice is logged once, on rank 0.
 """
 from __future__ import annotations
 
@@ -34,21 +36,54 @@ from .. import comm as _comm
 from . import ranks
 from ..comm.base import Communicator
 
-__all__ = ["build_world", "choose_backend", "init", "current", "World", "JOB_ID_ENV", "comm_for"]
+__all__ = ["build_world", "choose_backend", "init", "current", "World", "Launch", "JOB_ID_ENV", "comm_for"]
 
 log = logging.getLogger("distopt")
 
 #: Set by ``python -m distopt.launch``: the id the copies of one job share (their shm segments' names).
 JOB_ID_ENV = "DISTOPT_JOB_ID"
 
-_MPI_SOURCES = ("OMPI", "MPICH")
+
+@dataclass(frozen=True)
+class Launch:
+    """What a backend builds itself from: its class's ``from_launch(launch)`` returns ``(communicator,
+    rank info)`` (see :func:`distopt.comm.from_launch`).
+
+    Attributes:
+        env: the environment.
+        timeout: collective deadline in seconds, or None for ``$DISTOPT_TIMEOUT`` / 300.
+        gpu_num: this process's device number on its node, when given explicitly.
+        gpu_per_node: processes per node, when given explicitly.
+        holder: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the multiprocessing mode
+            (:func:`distopt.launch.spawn`), else None.
+    """
+
+    env: Mapping[str, str]
+    timeout: float | None = None
+    gpu_num: int | None = None
+    gpu_per_node: int | None = None
+    holder: Any = None
+
+    @property
+    def job_id(self) -> str | None:
+        """The id that names the job's shm segments: the holder's, else ``$DISTOPT_JOB_ID``, else None."""
+        return self.holder.job_id if self.holder is not None else self.env.get(JOB_ID_ENV)
+
+    def rank_info(self, mpi_comm: Any = None) -> ranks.RankInfo:
+        """This process's ranks (:func:`distopt.launch.ranks.resolve`; with ``mpi_comm``, from MPI where
+        neither arguments nor launcher variables tell: collective over it).
+
+        Raises:
+            ValueError: as :func:`~distopt.launch.ranks.resolve`.
+        """
+        return ranks.resolve(gpu_num=self.gpu_num, gpu_per_node=self.gpu_per_node, env=self.env, mpi_comm=mpi_comm)
 
 
 def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
     """The backend for a launch without ``nccl_id`` or ``backend=``: the rule of the module docstring.
 
     Args:
-        source: :attr:`distopt.ranks.RankInfo.source` of the launcher
+        source: :attr:`distopt.launch.ranks.RankInfo.source` of the launcher
             variables found (``"torchrun"``, ``"OMPI"``, ``"MPICH"``,
             ``"Slurm"``), or None when there are none.
         env: the environment.
@@ -65,48 +100,30 @@ def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
     return "mpi"
 
 
-def _launcher_vars(info: ranks.RankInfo, env: Mapping[str, str]) -> str:
-    names = {"torchrun": ("RANK", "WORLD_SIZE"), "OMPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-             "MPICH": ("PMI_RANK", "PMI_SIZE"), "Slurm": ("SLURM_PROCID", "SLURM_NTASKS")}.get(info.source, ())
-    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
-    return f"{info.source} variables ({shown})" if shown else info.source
+def _spawned_backend(launch: Launch, backend: str | None) -> str:
+    """The backend of the multiprocessing mode: NCCL when the holder carries an NCCL id, else shm."""
+    if launch.gpu_num is None or launch.gpu_per_node is None:
+        raise ValueError("nccl_id needs gpu_num (this process's rank) and gpu_per_node (the world size)")
+    chosen = backend or ("nccl" if getattr(launch.holder, "nccl_id", None) is not None else "shm")
+    if chosen not in ("shm", "nccl"):
+        raise ValueError(f"backend={chosen!r} does not fit the multiprocessing mode (nccl_id given); use 'shm' or "
+                         "'nccl'")
+    return chosen
 
 
-def _device(info: ranks.RankInfo, env: Mapping[str, str], device_count: int | None = None) -> int:
-    return ranks.device_index(info.local_rank, env, device_count, local_size=info.local_size)
-
-
-def _mpi_world(backend: str, gpu_num: int | None, gpu_per_node: int | None, timeout: float | None,
-               env: Mapping[str, str]) -> tuple[Communicator, ranks.RankInfo]:
-    mpi = _comm.create("mpi", timeout=timeout)
-    info = ranks.resolve(gpu_num=gpu_num, gpu_per_node=gpu_per_node, env=env, mpi_comm=mpi.raw)
-    if info.global_rank != mpi.rank or info.world_size != mpi.size:
-        mpi.close()
-        if info.source == "explicit":
-            fix = "check gpu_num/gpu_per_node"
-        elif info.source in _MPI_SOURCES:
-            fix = "start the job with the mpiexec of the MPI library mpi4py loads (pip's mpich: .venv/bin/mpiexec)"
-        else:
-            fix = ("under torchrun or srun without MPI support, use backend='torch' (torchrun sets MASTER_ADDR and "
-                   "MASTER_PORT; under srun export them), or srun --mpi=pmix with an MPI library built for Slurm")
-        raise ValueError(
-            f"rank information from {_launcher_vars(info, env)} (rank {info.global_rank} of {info.world_size}) "
-            f"disagrees with MPI (rank {mpi.rank} of {mpi.size}): {fix}")
-    if backend == "mpi":
-        return mpi, info
-    from ..comm.nccl import unique_id_from_mpi
-
-    unique_id = unique_id_from_mpi(mpi)
-    return _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=unique_id,
-                        device=_device(info, env), timeout=timeout, control=mpi), info  # MPI: the host control
-
-
-def _torch_device(info: ranks.RankInfo, env: Mapping[str, str]) -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return _device(info, env, torch.cuda.device_count())
+def _launched_backend(launch: Launch, backend: str | None) -> str:
+    """The backend of a launch by a launcher (or none): the rule, and whether a forced backend fits."""
+    launcher = ranks.from_env(launch.env)
+    chosen = backend or choose_backend(None if launcher is None else launcher.source, launch.env)
+    if chosen not in _comm.BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_comm.BACKENDS)}, got {backend!r}")
+    if chosen in ("shm", "torch") and launch.rank_info().source == "single":
+        raise ValueError(f"backend={chosen!r} needs launcher variables (RANK, WORLD_SIZE, ...): start the "
+                         "script with torchrun or python -m distopt.launch, or leave backend unset for one process")
+    if chosen == "shm" and launch.job_id is None:
+        raise ValueError("backend='shm' needs the job id that python -m distopt.launch sets "
+                         f"({JOB_ID_ENV}), or distopt.launch.spawn with an NcclIdHolder")
+    return chosen
 
 
 def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
@@ -115,7 +132,7 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
     """Return ``(communicator, rank info)`` for this process.
 
     Args:
-        nccl_id: the job's :class:`~distopt.nccl_id.NcclIdHolder` in the
+        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the
             multiprocessing mode, else None.
         gpu_num: this process's device number on its node (its rank in the
             multiprocessing mode).
@@ -135,60 +152,12 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
         BackendUnavailableError: the chosen backend cannot be imported
             (e.g. no loadable MPI library).
     """
-    env = os.environ if env is None else env
-    if nccl_id is not None:
-        comm, info = _spawned_world(nccl_id, gpu_num, gpu_per_node, backend, timeout, env)
-    else:
-        comm, info = _launched_world(gpu_num, gpu_per_node, backend, timeout, env)
+    launch = Launch(os.environ if env is None else env, timeout, gpu_num, gpu_per_node, nccl_id)
+    chosen = _spawned_backend(launch, backend) if nccl_id is not None else _launched_backend(launch, backend)
+    comm, info = _comm.from_launch(chosen, launch)
     if info.global_rank == 0:
         log.info("backend %s, world size %d (%s)", comm.name, info.world_size, info.source)
     return comm, info
-
-
-def _spawned_world(nccl_id: Any, gpu_num: int | None, gpu_per_node: int | None, backend: str | None,
-                   timeout: float | None, env: Mapping[str, str]) -> tuple[Communicator, ranks.RankInfo]:
-    if gpu_num is None or gpu_per_node is None:
-        raise ValueError("nccl_id needs gpu_num (this process's rank) and gpu_per_node (the world size)")
-    info = ranks.from_explicit(gpu_num, gpu_per_node)
-    if backend is None:
-        backend = "nccl" if getattr(nccl_id, "nccl_id", None) is not None else "shm"
-    if backend == "shm":
-        return _comm.create("shm", rank=info.global_rank, size=info.world_size, job_id=nccl_id.job_id,
-                            timeout=timeout), info
-    if backend == "nccl":
-        control = _comm.create("shm", rank=info.global_rank, size=info.world_size, job_id=nccl_id.job_id,
-                               timeout=timeout)  # the host control plane: no device waits per step
-        return _comm.create("nccl", rank=info.global_rank, size=info.world_size, unique_id=nccl_id.nccl_id,
-                            device=_device(info, env), timeout=timeout, control=control), info
-    raise ValueError(f"backend={backend!r} does not fit the multiprocessing mode (nccl_id given); use 'shm' or 'nccl'")
-
-
-def _launched_world(gpu_num: int | None, gpu_per_node: int | None, backend: str | None, timeout: float | None,
-                    env: Mapping[str, str]) -> tuple[Communicator, ranks.RankInfo]:
-    launcher = ranks.from_env(env)
-    source = None if launcher is None else launcher.source
-    chosen = backend or choose_backend(source, env)
-    if chosen not in _comm.BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(_comm.BACKENDS)}, got {backend!r}")
-    if chosen in ("mpi", "nccl"):
-        return _mpi_world(chosen, gpu_num, gpu_per_node, timeout, env)
-    info = ranks.resolve(gpu_num=gpu_num, gpu_per_node=gpu_per_node, env=env)
-    if chosen == "single":
-        if info.world_size != 1:
-            raise ValueError(f"backend='single' is a world of one process, but {_launcher_vars(info, env)} "
-                             f"say {info.world_size}; leave backend unset")
-        return _comm.create("single"), info
-    if info.source == "single":
-        raise ValueError(f"backend={chosen!r} needs launcher variables (RANK, WORLD_SIZE, ...): start the "
-                         "script with torchrun or python -m distopt.launch, or leave backend unset for one process")
-    if chosen == "shm":
-        if JOB_ID_ENV not in env:
-            raise ValueError("backend='shm' needs the job id that python -m distopt.launch sets "
-                             f"({JOB_ID_ENV}), or distopt.launch.spawn with an NcclIdHolder")
-        return _comm.create("shm", rank=info.global_rank, size=info.world_size, job_id=env[JOB_ID_ENV],
-                            timeout=timeout), info
-    return _comm.create("torch", rank=info.global_rank, size=info.world_size, timeout=timeout,
-                        device=_torch_device(info, env)), info
 
 
 @dataclass(frozen=True)
@@ -197,7 +166,7 @@ class World:
 
     Attributes:
         comm: the communicator (pass the whole World to ``DistOpt``).
-        info: where the ranks came from (:class:`~distopt.ranks.RankInfo`).
+        info: where the ranks came from (:class:`~distopt.launch.ranks.RankInfo`).
     """
 
     comm: Communicator

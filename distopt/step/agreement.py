@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from ..comm.base import Communicator
 from ..errors import CollectiveMismatchError
 
-__all__ = ["digest", "check_same"]
+__all__ = ["digest", "check_same", "GroupSettings", "group_settings"]
 
 
 def digest(obj: Any) -> int:
@@ -61,3 +62,46 @@ def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str,
                     f"parameter #{i} differs across ranks: rank 0 has {_describe(sa)}, rank {r} has "
                     f"{_describe(sb)} (rank 0 holds {len(a)} parameters, rank {r} holds {len(b)}); every "
                     "rank must build the same model and pass its parameters in the same order")
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """The local optimizer's hyper-parameters, which every rank must share, folded into the step header.
+
+    Attributes:
+        key: the values, as tuples (compared each step: cheap).
+        digest: the digest the step header carries (computed when ``key`` changes).
+        values: ``{"param_groups[i]['lr']": value, ...}``, compared by
+            :func:`check_same` when digests differ, so the error names the
+            group, the key and the values.
+    """
+
+    key: tuple[Any, ...]
+    digest: int
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+_SKIP = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a JSON-able scalar or tuple of scalars (one-element tensors as floats), else ``_SKIP``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = tuple(_plain(v) for v in value)
+        return _SKIP if any(v is _SKIP for v in items) else items
+    if getattr(value, "numel", None) is not None and value.numel() == 1:  # a torch tensor lr (capturable)
+        return float(value)
+    return _SKIP
+
+
+def group_settings(groups: Sequence[Mapping[str, Any]], previous: GroupSettings | None = None) -> GroupSettings:
+    """The :class:`GroupSettings` of ``groups`` (parameter groups without their ``params``); ``previous``
+    itself when nothing changed, so the digest is recomputed only after a change (a scheduler step)."""
+    key = tuple(tuple((k, v) for k, v in ((k, _plain(v)) for k, v in g.items() if k != "params") if v is not _SKIP)
+                for g in groups)
+    if previous is not None and previous.key == key:
+        return previous
+    values = {f"param_groups[{i}][{k!r}]": v for i, g in enumerate(key) for k, v in g}
+    return GroupSettings(key, digest(values), values)

@@ -13,7 +13,7 @@ Per step, the engine
    take rank 0's parameters (first step, parameters added, removed or
    resized) and lays the buckets out anew, with new buffers;
 2. runs the strategy's bucket reductions through one
-   :class:`~distopt.pipeline.BucketPipeline`;
+   :class:`~distopt.step.pipeline.BucketPipeline`;
 3. agrees on which gradients exist, how many ranks contribute and whether
    to skip the step, then completes the buckets. That takes one more small
    all-reduce only when the header could not settle it: gradients not known
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..core._array import xp_of
-from .agreement import check_same, digest
+from .agreement import GroupSettings, check_same, digest
 from ..core.buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
 from ..comm.base import Communicator
 from ..core.counters import Counters
@@ -94,10 +94,16 @@ class Engine:
         check_finite: skip a step on every rank when any rank's gradient
             has a NaN or inf.
         counters: the counters to update (``DistOpt.stats``).
+        divide_by_initial_world_size: while some ranks have joined, divide
+            the sum by the world size (PyTorch DDP's default: joined ranks
+            contribute zeros); False divides by the ranks that contributed.
     """
 
-    def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters) -> None:
+    def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters,
+                 divide_by_initial_world_size: bool = True) -> None:
         self.comm, self.buff_size, self.check_finite, self.counters = comm, buff_size, check_finite, counters
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
         self.launch = Launcher(comm)
         self._specs: tuple[Any, ...] | None = None
         self._specs_digest: tuple[Any, int] = (None, 0)
@@ -138,13 +144,15 @@ class Engine:
         return any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
 
     def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool,
-               grads: Sequence[Any] | None) -> tuple[_Layout, Outcome | None]:
+               grads: Sequence[Any] | None, groups: GroupSettings | None) -> tuple[_Layout, Outcome | None]:
         """The step header (see the module docs); returns the layout for this step, and the step's
         outcome when the header settled it."""
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
                 "reverse": reverse, **strategy.describe()}
+        if groups is not None:
+            full["optimizer settings"] = groups.digest
         if specs != self._specs_digest[0]:
             self._specs_digest = (specs, digest([[list(shape), str(dtype)] for shape, dtype in specs]))
         unsettled = grads is None or any(g is None for p, g in zip(params, grads) if is_float(p))
@@ -154,7 +162,8 @@ class Engine:
         everyone = self.comm.all_gather(header)
         self.counters.control_collectives += 1
         if (everyone[:, :2] != everyone[0, :2]).any():
-            check_same(self.comm, params, full)
+            check_same(self.comm, params, {**{k: v for k, v in full.items() if k != "optimizer settings"},
+                                           **(groups.values if groups is not None else {})})
             raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
         if everyone[:, 3].any() and not strategy.supports_join:
             raise ValueError(f"join() supports strategies with supports_join (plain, half), not {strategy.name!r}: "
@@ -176,32 +185,35 @@ class Engine:
     # ------------------------------------------------------------- the step
     def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None,
               joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
-              bucket_view: bool = False) -> BucketPipeline:
+              bucket_view: bool = False, groups: GroupSettings | None = None) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
         ``threshold``: elements above which a parameter is a bucket of its
         own; None means the strategy's ``default_threshold``.
 
         ``joined``: this rank is inside ``join()`` (stepping or shadowing).
-        ``views``, ``bucket_view``: see :class:`~distopt.pipeline.BucketPipeline`
+        ``views``, ``bucket_view``: see :class:`~distopt.step.pipeline.BucketPipeline`
         (with ``bucket_view`` the caller fills the layout's buffers,
         ``pipeline.buffers``, before the first gradient is ready).
         ``grads``: the step's gradients when backward has already run (the
         header then settles the step's outcome); None during backward.
+        ``groups``: the local optimizer's hyper-parameters, compared across
+        ranks in the same header.
 
         Raises:
-            CollectiveMismatchError: parameters or settings differ across ranks.
+            CollectiveMismatchError: parameters or settings (the optimizer's
+                included) differ across ranks, on every rank, naming the first.
             ValueError: a rank has joined and the strategy does not support ``join``.
         """
         params = list(params)
         threshold = strategy.threshold(threshold)
         with self.context("parameter check"):
-            layout, settled = self._agree(strategy, params, threshold, joined, grads)
+            layout, settled = self._agree(strategy, params, threshold, joined, grads, groups)
         return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
                               self.comm, self.counters, self.context, views, bucket_view, settled)
 
     def agree(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, joined: bool,
-              grads: Sequence[Any], active: bool = True) -> Outcome:
+              grads: Sequence[Any], active: bool = True, groups: GroupSettings | None = None) -> Outcome:
         """The step header and, when it cannot settle the step, the gradient flags: the agreement of a
         step that reduces no gradient buckets (a parameter averager's), for gradients already computed.
 
@@ -211,7 +223,7 @@ class Engine:
         """
         params = list(params)
         with self.context("parameter check"):
-            _, settled = self._agree(strategy, params, strategy.threshold(threshold), joined, grads)
+            _, settled = self._agree(strategy, params, strategy.threshold(threshold), joined, grads, groups)
         return self.agree_on_gradients(params, grads, active, settled)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
@@ -234,7 +246,7 @@ class Engine:
         if not outcome.applies:
             pipeline.abandon()
             return outcome
-        pipeline.finish(grads, outcome.active)
+        pipeline.finish(grads, self.comm.size if self.divide_by_initial_world_size else outcome.active)
         if self.check_finite:
             bad = np.array([any(not bool(xp_of(g).isfinite(g).all())
                                 for g, ok in zip(grads, outcome.present) if ok and g is not None and is_float(g))],

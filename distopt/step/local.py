@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["LocalOptimizer", "ArrayOptimizer", "checked_pairs"]
 
+_HYPER = ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps")
+
 
 class LocalOptimizer(ABC):
     """What DistOpt needs from a local optimizer."""
@@ -34,6 +36,11 @@ class LocalOptimizer(ABC):
     def momentum_factors(self) -> list[tuple[str, float]]:
         """``(where, value)`` of every momentum setting, e.g. ``("distopt.SGD.momentum", 0.9)``; empty
         for an optimizer without one (DGC refuses a non-zero one)."""
+
+    @abstractmethod
+    def hyper_parameters(self) -> list[dict[str, Any]]:
+        """Per parameter group, the settings every rank must share (lr, momentum, weight decay, betas,
+        eps, ...; not the parameters), compared across ranks in every step header."""
 
     def remember(self, params: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
         """Record the shared parameter order (array models: from ``sync_params`` or a step)."""
@@ -116,6 +123,11 @@ class ArrayOptimizer(LocalOptimizer):
             raise ValueError(f"average_momentum=True needs an optimizer with momentum_buffer(param); "
                              f"{type(self.opt).__name__} has none")
         return [self.opt.momentum_buffer(p) for p in params]
+
+    def hyper_parameters(self) -> list[dict[str, Any]]:
+        """One group: the optimizer's ``lr``, ``momentum``, ``weight_decay``, ``dampening``, ``nesterov``,
+        ``betas`` and ``eps`` attributes, those it has."""
+        return [{k: getattr(self.opt, k) for k in _HYPER if hasattr(self.opt, k)}]
 
     def momentum_factors(self) -> list[tuple[str, float]]:
         if not hasattr(self.opt, "momentum"):

@@ -23,16 +23,31 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from ..core.buckets import is_float
 from ..core.counters import Counters
 from ..strategies.base import GradientStrategy, ParameterAverager, Strategy, UpdateContext
 from .accumulate import GradientAccumulator
+from .agreement import GroupSettings, group_settings
 from .engine import Engine, Outcome
 from .local import ArrayOptimizer, LocalOptimizer, checked_pairs
 from .pipeline import BucketPipeline
 from .strategy_set import StrategySet
 
-__all__ = ["StepRunner", "LastStep"]
+__all__ = ["StepRunner", "LastStep", "JoinResult"]
+
+
+@dataclass
+class JoinResult:
+    """What ``with opt.join() as result:`` reports once the block has ended, on every rank.
+
+    Attributes:
+        last_joined: the rank that joined last (the highest such rank when
+            several joined at the same step), as Horovod's ``join()`` returns.
+    """
+
+    last_joined: int = -1
 
 
 @dataclass
@@ -70,6 +85,7 @@ class StepRunner:
         self.active_strategy: Strategy = strategies.held
         self.last: LastStep | None = None
         self.joining = False
+        self._groups: GroupSettings | None = None
 
     @property
     def strategy(self) -> Strategy:
@@ -83,8 +99,10 @@ class StepRunner:
     def _prepare(self, strategy: Strategy) -> None:
         """Make ``strategy`` the active one with its restored state; validate it (no communication)."""
         self.active_strategy = strategy
+        self.counters.declare(strategy.counter_names)
         self.strategies.restore(strategy)
         strategy.bind(self.engine.comm.size, self.local)
+        self._groups = group_settings(self.local.hyper_parameters(), self._groups)
 
     # ------------------------------------------------- the step, in parts
     def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None, *,
@@ -94,7 +112,7 @@ class StepRunner:
         See :meth:`~distopt.step.engine.Engine.begin` for the arguments.
         """
         self._prepare(strategy)
-        return self.engine.begin(strategy, params, threshold, self.joining, views, grads, bucket_view)
+        return self.engine.begin(strategy, params, threshold, self.joining, views, grads, bucket_view, self._groups)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective).
@@ -165,7 +183,7 @@ class StepRunner:
         local = self._arrays()
         if isinstance(strategy, ParameterAverager):
             self._prepare(strategy)
-            outcome = self.engine.agree(strategy, params, threshold, self.joining, grads, active)
+            outcome = self.engine.agree(strategy, params, threshold, self.joining, grads, active, self._groups)
             if outcome.applies:
                 local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
         else:
@@ -208,7 +226,9 @@ class StepRunner:
             self.accumulator.discard()
 
     @contextmanager
-    def join(self, shadow: Callable[[], int] | None, params: Sequence[Any] | None) -> Iterator[None]:
+    def join(self, shadow: Callable[[], int] | None, params: Sequence[Any] | None,
+             shadow_forward: Callable[[], int] | None = None,
+             after: Callable[[int], None] | None = None) -> Iterator[JoinResult]:
         """The body of ``DistOpt.join``: mark this rank joined; after the loop, shadow until all joined.
 
         Args:
@@ -216,21 +236,42 @@ class StepRunner:
                 active ranks), or None for array models (the last step is
                 repeated with zero gradients).
             params: an array model's parameters when it ran no step yet.
+            shadow_forward: shadows what the active ranks do before each
+                step (the model's buffer broadcast; returns the active ranks,
+                0 when all joined), or None.
+            after: called on every rank with the last rank to join (the
+                model's final buffer sync), or None.
+
+        Yields:
+            A :class:`JoinResult`, filled when the block ends.
 
         Raises:
             ValueError: an array model with no step yet and no ``params``.
         """
+        result = JoinResult()
         self.joining = True
         try:
-            yield
+            yield result
         except BaseException:
             self.joining = False
             raise
         try:
             if shadow is None:
                 shadow = self._array_shadow(params)
-            while shadow():
-                pass
+            first, last = True, False
+            while True:
+                active = shadow_forward() if shadow_forward is not None else None
+                if active != 0:
+                    active = shadow()
+                if first:
+                    first, last = False, active == 0  # nobody stepped after this rank joined
+                if not active:
+                    break
+            flag = np.array([self.engine.comm.rank if last else -1], dtype=np.int64)
+            self.engine.comm.all_reduce(flag, op="max")  # DDP's and Horovod's "last joined rank"
+            result.last_joined = int(flag[0])
+            if after is not None:
+                after(result.last_joined)
         finally:
             self.joining = False
 

@@ -1,6 +1,7 @@
 """Checkpoint state of one DistOpt: the local optimizer's, the strategies' and the counters'."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 from ..core.counters import Counters
@@ -17,6 +18,15 @@ STATE_FORMAT = 2
 class StepState:
     """Saves and restores what a DistOpt needs to continue.
 
+    With a PyTorch optimizer the state is in ``torch.optim.Optimizer``'s
+    layout: the inner optimizer's ``state`` and ``param_groups``, plus one
+    key, ``"distopt"``, holding distopt's own (format, counters, strategies,
+    per-rank residuals, sampler). A plain torch optimizer loads it as its
+    own (it ignores the extra key), and :meth:`load_state_dict` takes a
+    plain torch optimizer's state dict too (a single-process or DDP run).
+    With an array optimizer: ``{"format", "local", "stats", "strategies",
+    "rank_local"[, "sampler"]}``.
+
     Args:
         local: the local optimizer.
         counters: ``DistOpt.stats``.
@@ -25,6 +35,9 @@ class StepState:
 
     def __init__(self, local: LocalOptimizer, counters: Counters, strategies: StrategySet) -> None:
         self.local, self.counters, self.strategies = local, counters, strategies
+
+    def _torch_layout(self) -> bool:
+        return hasattr(self.local, "optimizer")
 
     def state_dict(self, sampler: Any = None) -> dict[str, Any]:
         """The local optimizer's, the strategies', the counters' and ``sampler``'s state.
@@ -35,25 +48,41 @@ class StepState:
         tensors, see :mod:`distopt.portable`) when PyTorch is installed, so
         ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
         """
-        state = {"format": STATE_FORMAT, "local": self.local.state_dict(), "stats": self.counters.state_dict(),
-                 **self.strategies.state_dict()}
+        extras: dict[str, Any] = {"format": STATE_FORMAT, "stats": self.counters.state_dict(),
+                                  **self.strategies.state_dict()}
         if sampler is not None:
-            state["sampler"] = sampler.state_dict()
-        return to_portable(state)
+            extras["sampler"] = sampler.state_dict()
+        if self._torch_layout():
+            return to_portable({**self.local.state_dict(), "distopt": extras})
+        return to_portable({**extras, "local": self.local.state_dict()})
 
     def load_state_dict(self, state: Mapping[str, Any], sampler: Any = None) -> None:
-        """Restore :meth:`state_dict` output (a SINGA method's strategy receives its state at its next call).
+        """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict.
 
         Raises:
-            ValueError: ``state`` was written in another format (an older distopt).
+            ValueError: ``state`` is neither, or was written by an older
+                distopt for an array optimizer (its format is named).
         """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"state has format {state.get('format', 1)!r}; this distopt reads format "
-                             f"{STATE_FORMAT} (strategies own their state, residuals keyed by the new bucket "
-                             "layout): re-create the checkpoint with this version")
         state = from_portable(state)
-        self.local.load_state_dict(state["local"])
-        self.counters.load_state_dict(state["stats"])
-        self.strategies.load_state_dict(state)
-        if sampler is not None and "sampler" in state:
-            sampler.load_state_dict(state["sampler"])
+        if self._torch_layout() and "param_groups" in state:
+            extras = state.get("distopt")
+            self.local.load_state_dict({k: v for k, v in state.items() if k != "distopt"})
+        elif self._torch_layout() and state.get("format") == 2:
+            warnings.warn("this optimizer state was written by an older distopt (format 2, the torch optimizer's "
+                          "state under 'local'); it is loaded, but save it again to write torch's layout",
+                          UserWarning, stacklevel=3)
+            extras = state
+            self.local.load_state_dict(state["local"])
+        elif not self._torch_layout() and state.get("format") == STATE_FORMAT:
+            extras = state
+            self.local.load_state_dict(state["local"])
+        else:
+            raise ValueError(f"state has format {state.get('format', 1)!r} and keys {sorted(state)}; this distopt "
+                             f"reads its own state_dict() (format {STATE_FORMAT}) or, with a PyTorch optimizer, "
+                             "a torch optimizer's state dict ('state', 'param_groups')")
+        if extras is None:
+            return
+        self.counters.load_state_dict(extras["stats"])
+        self.strategies.load_state_dict(extras)
+        if sampler is not None and "sampler" in extras:
+            sampler.load_state_dict(extras["sampler"])

@@ -1,7 +1,8 @@
-"""The strategy interface: how one bucket of gradients is averaged across ranks.
+"""The strategy interface: how gradients (or parameters) are averaged across ranks.
 
-The step engine (:mod:`distopt.engine`) packs gradients into buckets that
-every rank lays out identically, then drives a :class:`Strategy` per bucket:
+The step engine (:mod:`distopt.step.engine`) packs gradients into buckets
+that every rank lays out identically, then drives a
+:class:`GradientStrategy` per bucket:
 
 1. :meth:`GradientStrategy.start` is called in bucket order, as soon as a
    bucket's gradients are final (during backward when the strategy
@@ -56,7 +57,7 @@ class LocalInfo(Protocol):
 
 
 class Handle(Protocol):
-    """A bucket's reduction in progress: what :meth:`GradientStrategy.start` returns, :meth:`~GradientStrategy.finish` takes.
+    """A bucket's reduction in progress: what :meth:`GradientStrategy.start` returns and ``finish`` takes.
 
     The pipeline calls :meth:`test` while backward runs (MPI progresses a
     non-blocking collective only inside MPI calls) and may :meth:`wait`
@@ -89,7 +90,7 @@ NOT_STARTED = NotStarted()
 
 
 class Done(NamedTuple):
-    """What :meth:`Strategy.finish` reports.
+    """What :meth:`GradientStrategy.finish` reports.
 
     Attributes:
         wire_bytes: bytes this rank handed to the collectives for the bucket.
@@ -135,7 +136,7 @@ class BucketContext:
 
 @dataclass
 class UpdateContext:
-    """What :meth:`Strategy.after_update` may use.
+    """What :meth:`ParameterAverager.after_update` may use.
 
     Attributes:
         params: the float parameters of the step, in the shared order.

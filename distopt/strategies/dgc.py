@@ -44,50 +44,22 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from ..core._array import xp_of
 from ..compress import densify, k_for, topk_indices
 from ..compress._xp import index_dtype
-from .base import BucketContext, Done, GradientStrategy, Handle
+from .base import BucketContext, Done, GradientStrategy, Handle, LocalInfo
 from .memory import Residuals
 from .registry import Example, register
 from .sparse import ENTRIES, FALLBACKS
 
-if TYPE_CHECKING:
-    from ..step.local import LocalOptimizer
-
-__all__ = ["DGC", "WARMUP_SPARSITY", "inner_momenta"]
+__all__ = ["DGC", "WARMUP_SPARSITY"]
 
 WARMUP_SPARSITY: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996)
 """The paper's warm-up stages: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %."""
-
-
-def inner_momenta(local: LocalOptimizer) -> list[tuple[str, float]]:
-    """Where the local optimizer keeps a momentum factor, and its value.
-
-    Args:
-        local: a :class:`~distopt.local.LocalOptimizer`: an array optimizer
-            (``local.opt``, e.g. :class:`distopt.SGD` with ``momentum``) or a
-            PyTorch one (``local.optimizer.param_groups[i]["momentum"]``).
-
-    Returns:
-        ``(name, momentum)`` pairs, e.g. ``("distopt.SGD.momentum", 0.9)`` or
-        ``("torch.optim.SGD.param_groups[0]['momentum']", 0.9)``; empty for
-        an optimizer without a momentum setting.
-    """
-    inner = getattr(local, "optimizer", None)
-    if inner is not None and hasattr(inner, "param_groups"):
-        kind = ("torch.optim." if type(inner).__module__.startswith("torch.optim") else "") + type(inner).__name__
-        return [(f"{kind}.param_groups[{i}]['momentum']", float(group["momentum"]))
-                for i, group in enumerate(inner.param_groups) if "momentum" in group]
-    inner = getattr(local, "opt", None)
-    if inner is not None and hasattr(inner, "momentum"):
-        kind = "distopt.SGD" if type(inner).__module__ == "distopt.optim" else type(inner).__name__
-        return [(f"{kind}.momentum", float(inner.momentum))]
-    return []
 
 
 class DGC(GradientStrategy):
@@ -151,13 +123,13 @@ class DGC(GradientStrategy):
         return {"sparsity": self.sparsity, "momentum": self.momentum, "clip_norm": self.clip_norm,
                 "warmup_steps": self.warmup_steps, "warmup_sparsity": self.warmup_sparsity}
 
-    def bind(self, world_size: int, local: LocalOptimizer) -> None:  # noqa: ARG002
+    def bind(self, world_size: int, local: LocalInfo) -> None:  # noqa: ARG002
         """Refuse a local optimizer with momentum: DGC's velocity replaces it (momentum correction).
 
         Raises:
             ValueError: naming the optimizer setting and the fix.
         """
-        for where, value in inner_momenta(local):
+        for where, value in local.momentum_factors():
             if value != 0:
                 raise ValueError(
                     f"DGC keeps the momentum itself (momentum correction), so the local optimizer's must be "

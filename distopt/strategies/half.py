@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from ..compress import WIRE_DTYPES, from_wire, half_scales, to_wire
 from ..core.buckets import VIEW_THRESHOLD
-from .base import BucketContext, Done, GradientStrategy, Handle
+from .base import BucketContext, Done, GradientStrategy, Handle, LocalInfo
 from .registry import Example, register
 
 __all__ = ["Half"]
@@ -60,7 +60,7 @@ class Half(GradientStrategy):
     def settings(self) -> dict[str, Any]:
         return {"wire": self.wire, "predivide": self.predivide, "clip": self.clip}
 
-    def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
+    def bind(self, world_size: int, local: LocalInfo) -> None:  # noqa: ARG002
         self._factor = float(world_size if self.predivide is None else self.predivide)
         half_scales(world_size, self._factor)  # validates predivide
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping
 
 from ..core.buckets import plan_buckets
-from .base import ParameterAverager, UpdateContext
+from .base import LocalInfo, ParameterAverager, UpdateContext
 from .registry import Example, register
 
 __all__ = ["Partial", "ChunkCursor"]
@@ -83,7 +83,7 @@ class Partial(ParameterAverager):
     def settings(self) -> dict[str, Any]:
         return {"chunk_size": self.chunk_size, "average_momentum": self.average_momentum}
 
-    def bind(self, world_size: int, local: Any) -> None:  # noqa: ARG002
+    def bind(self, world_size: int, local: LocalInfo) -> None:  # noqa: ARG002
         if self.average_momentum:
             local.momentum_arrays([])  # raises before any update if the optimizer has no momentum buffers
 

@@ -111,6 +111,10 @@ class TorchOptimizer(LocalOptimizer):
             out.append(None if buf is None else as_array(buf))
         return out
 
+    def hyper_parameters(self) -> list[dict[str, Any]]:
+        """The parameter groups (``params`` is left out by the comparison)."""
+        return self.optimizer.param_groups
+
     def momentum_factors(self) -> list[tuple[str, float]]:
         kind = type(self.optimizer)
         name = ("torch.optim." if kind.__module__.startswith("torch.optim") else "") + kind.__name__

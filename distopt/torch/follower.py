@@ -43,9 +43,21 @@ Rules:
   backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
   before it zeroes or drops the gradients, so the next step is right.
 * ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
+* Activation checkpointing: a reentrant checkpoint runs its block's
+  backward as a nested backward (a parameter of a block used twice gets two
+  gradient hooks); gradients from a nested backward are not handed to the
+  pipeline early but packed when the outer backward ends, so every use is
+  summed, and a step still makes one reduction.
+* Several DistOpts over overlapping parameters (a GAN, a second optimizer
+  over a subset): each tensor is averaged by one follower only, the first
+  one built over it, at every backward; the others leave its gradient
+  alone and step it with that average.
 """
 from __future__ import annotations
 
+import os
+import sys
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -57,6 +69,28 @@ from .adapter import TorchOptimizer, as_array
 from .bucket_views import BucketViews
 
 __all__ = ["Follower"]
+
+
+def _inside_nested_backward() -> bool:
+    """Whether the calling hook runs in a backward pass started from inside another one's autograd
+    Function (reentrant activation checkpointing: ``torch.utils.checkpoint(..., use_reentrant=True)``
+    runs the block's backward as a nested ``torch.autograd.backward``), on any thread."""
+    frame = sys._getframe(2)
+    in_backward = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward":
+            in_backward = True
+        elif in_backward and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FUNCTION_FILE = os.path.join("autograd", "function.py")
+
+#: Which follower averages each tensor: the first DistOpt built over it (in the same order on every rank).
+_OWNERS: weakref.WeakKeyDictionary[Any, Follower] = weakref.WeakKeyDictionary()
 
 
 def _tensor(array: Any) -> Any:
@@ -77,6 +111,9 @@ class Follower:
             before reducing them; otherwise they raise ``TypeError``.
         bucket_view: make every ``.grad`` a view into its bucket's buffer
             (``gradient_as_bucket_view``).
+        model: the ``torch.nn.Module``, whose ``require_backward_grad_sync``
+            attribute (DDP's toggle), when False, makes a backward accumulate
+            as inside ``no_sync()``; None: no such toggle.
 
     Attributes:
         passes: backward passes accumulated since the last reduction.
@@ -89,17 +126,20 @@ class Follower:
     """
 
     def __init__(self, runner: StepRunner, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
-                 bucket_view: bool) -> None:
+                 bucket_view: bool, model: Any = None) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
         self.runner, self.local, self.k, self.sparse_as_dense = runner, local, passes_per_step, sparse_as_dense
         self.views = BucketViews() if bucket_view else None
+        self.model = model
         self.passes = 0
         self.no_sync_depth = 0
+        self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
         self._strategy: Strategy | None = None  # the strategy and threshold of this step's backward
         self._threshold: int | None = None
-        self._task: int | None = None
+        self._task: int | None = None  # the graph task of the backward being followed
+        self._nested: set[int] = set()  # graph tasks run from inside it (reentrant checkpointing)
         self._syncing = False
         self._pipeline: BucketPipeline | None = None
         self._stale: BucketPipeline | None = None
@@ -111,6 +151,16 @@ class Follower:
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
+
+    def _owned(self) -> list[Any]:
+        """The trainable tensors this follower averages: those no other live follower claimed first."""
+        return [t for t in self.local.trainable() if _OWNERS.setdefault(t, self) is self]
+
+    def release(self) -> None:
+        """Give up the tensors this follower averages (``DistOpt.close()``): another DistOpt may claim them."""
+        for t in self.local.params():
+            if _OWNERS.get(t) is self:
+                del _OWNERS[t]
 
     def _current(self) -> Strategy:
         return self.runner.strategy if self._strategy is None else self._strategy
@@ -125,8 +175,13 @@ class Follower:
         import torch
 
         task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._new_backward(task)
+        nested = task in self._nested
+        if task != self._task and not nested:
+            if self._task is not None and _inside_nested_backward():
+                self._nested.add(task)
+                nested = True
+            else:
+                self._new_backward(task)
         if not isinstance(self._current(), GradientStrategy):
             return
         if param.grad is not None and param.grad.is_sparse:
@@ -136,7 +191,7 @@ class Follower:
                     "True)); distopt averages dense gradients only: use a dense embedding, or "
                     "DistOpt(..., sparse_as_dense=True) to densify sparse gradients before averaging")
             param.grad = param.grad.to_dense()
-        if self._pipeline is not None:
+        if self._pipeline is not None and not nested:  # a nested backward's gradient is packed at the end
             index = self._index_of.get(id(param))
             if index is not None:
                 if self.views is not None:
@@ -153,8 +208,8 @@ class Follower:
             self.drain()  # before this backward reuses gradient memory (bucket views) or communicates
         self._strategy, self._threshold = self._request or (self.runner.strategy, None)
         strategy = self._strategy
-        self._syncing = (isinstance(strategy, GradientStrategy) and self.no_sync_depth == 0
-                         and self.passes + 1 >= self.k)
+        wanted = self.no_sync_depth == 0 and getattr(self.model, "require_backward_grad_sync", True)
+        self._syncing = isinstance(strategy, GradientStrategy) and wanted and self.passes + 1 >= self.k
         if not isinstance(strategy, GradientStrategy):
             return  # a parameter averager: nothing to reduce in backward
         Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -163,6 +218,7 @@ class Follower:
 
     def _end_of_backward(self) -> None:
         self._task = None
+        self._nested.clear()
         if self._syncing:
             self.reduce()
         else:
@@ -173,7 +229,7 @@ class Follower:
         self.drain()
         strategy = self._current()
         assert isinstance(strategy, GradientStrategy)
-        self._tensors = self.local.trainable()
+        self._tensors = self._owned()
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
         pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], self._threshold,
                                      views=False, bucket_view=self.views is not None)
@@ -231,9 +287,9 @@ class Follower:
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         self.drain(outside_backward=True)
-        if not isinstance(self._current(), GradientStrategy):
+        if not isinstance(self._current(), GradientStrategy) or self.skip_depth:
             return
-        if self._pending or (not self._reduced and any(t.grad is not None for t in self.local.trainable())):
+        if self._pending or (not self._reduced and any(t.grad is not None for t in self._owned())):
             self.reduce()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
@@ -256,15 +312,38 @@ class Follower:
             self.local.optimizer.step()
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
-        """``optimizer.step(closure)``: the gradients are averaged already (or now, if accumulated)."""
-        import torch
+        """``optimizer.step(closure)``, torch's closure contract, for every optimizer (L-BFGS included).
 
-        loss = None
-        if closure is not None:
+        The gradients of every closure evaluation are averaged by its
+        backward; the loss the closure returns is averaged over the ranks
+        too (one small all-reduce per evaluation), so an optimizer that
+        decides on the loss (L-BFGS's line search) evaluates the closure
+        the same number of times on every rank. Returns the averaged loss
+        (a detached tensor of the closure's dtype), or None without a closure.
+        """
+        if closure is None:
+            return self.local.optimizer.step()
+        self._reduced = True  # gradients left from before are not this step's: the closure makes new ones
+
+        def averaged() -> Any:
+            import torch
+
             with torch.enable_grad():
                 loss = closure()
-        self.local.optimizer.step()
-        return loss
+            return self._average_loss(loss)
+
+        return self.local.optimizer.step(averaged)
+
+    def _average_loss(self, loss: Any) -> Any:
+        import numpy as np
+        import torch
+
+        value = np.array([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=np.float64)
+        self.runner.engine.comm.all_reduce(value, op="sum")
+        mean = value[0] / self.runner.engine.comm.size
+        if isinstance(loss, torch.Tensor):
+            return torch.tensor(mean, dtype=loss.dtype)
+        return mean
 
     def shadow(self) -> int:
         """One shadow step of a joined rank (collective); returns the active ranks (0: all joined)."""
@@ -280,6 +359,22 @@ class Follower:
         """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
         self.drain(outside_backward=True)
         self.local.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Horovod's ``synchronize()``: average what was accumulated without being averaged (``no_sync``,
+        ``backward_passes_per_step``) now; a no-op when ``.grad`` holds the average already (collective)."""
+        self.drain(outside_backward=True)
+        if self._pending and isinstance(self._current(), GradientStrategy):
+            self.reduce()
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's ``skip_synchronize()``: a ``step()`` inside does not average (after ``synchronize()``)."""
+        self.skip_depth += 1
+        try:
+            yield
+        finally:
+            self.skip_depth -= 1
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

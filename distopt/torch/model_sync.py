@@ -8,7 +8,7 @@ and in ``opt.broadcast_state()``.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -79,6 +79,25 @@ def named_state(model: Any, buffers: bool = True) -> tuple[list[str], list[Any]]
     return names, [as_array(t) for t in tensors]
 
 
+def _named(named_parameters: Iterable[tuple[str, Any]], params: Sequence[Any]) -> list[str]:
+    """Horovod's ``named_parameters=``: the name of each optimizer parameter, in the optimizer's order.
+
+    Raises:
+        ValueError: a name given twice, or an optimizer parameter without a name.
+    """
+    pairs = list(named_parameters)
+    names = [n for n, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"named_parameters must give each parameter one unique name; given more than once: {twice}")
+    by_id = {id(p): n for n, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"named_parameters does not name the optimizer's parameter(s) #{unnamed} (of "
+                         f"{len(params)}): pass model.named_parameters() of the model the optimizer trains")
+    return [by_id[id(p)] for p in params]
+
+
 def parameter_names(model: Any, params: Sequence[Any]) -> list[str]:
     """The model's name of each tensor in ``params`` (``"(outside the model) #i"`` where it has none)."""
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -101,16 +120,29 @@ class ModelSync:
             parameters are broadcast then; buffers never are).
         broadcast_buffers: with ``model``, broadcast rank 0's buffers
             before each training-mode forward (DDP's default).
+        named_parameters: Horovod's ``named_parameters=``: ``(name, tensor)``
+            pairs naming every optimizer parameter; the names are compared
+            across ranks.
+        joining: tells whether this rank is inside ``join()``: the buffer
+            broadcast then comes from the lowest rank still training (one
+            small all-reduce names it), and joined ranks shadow it
+            (:meth:`shadow_forward`), as DDP's join hook does.
 
     Raises:
         CollectiveMismatchError: on every rank, naming the first name (or
             shape or dtype) that differs across ranks.
+        ValueError: ``named_parameters`` names a parameter twice or misses one.
     """
 
     def __init__(self, comm: Communicator, engine: Engine, local: TorchOptimizer, model: Any,
-                 broadcast_buffers: bool) -> None:
+                 broadcast_buffers: bool, joining: Callable[[], bool] = lambda: False,
+                 named_parameters: Iterable[tuple[str, Any]] | None = None) -> None:
         self.comm, self.engine, self.local, self.model = comm, engine, local, model
+        self.joining = joining
+        self.hooked = False  # buffers are broadcast before each training-mode forward
         settings = {"world_size": comm.size}
+        if named_parameters is not None:
+            check_names(comm, _named(named_parameters, local.params()), "optimizer parameter")
         if model is None:
             engine.broadcast_params(local.arrays(), settings)
             return
@@ -125,9 +157,33 @@ class ModelSync:
         if broadcast_buffers and any(True for _ in model.buffers()):
             def before_forward(module: Any, inputs: Any) -> None:  # noqa: ARG001
                 if module.training:
-                    self.sync_buffers("broadcast")
+                    self.sync_buffers("broadcast", min(self._active(True)) if self.joining() else 0)
 
             local.handles.append(model.register_forward_pre_hook(before_forward))
+            self.hooked = True
+
+    def _active(self, active: bool) -> list[int]:
+        """The ranks still training, from every rank's vote (one all-reduce of ``world_size`` int32)."""
+        votes = np.zeros(self.comm.size, dtype=np.int32)
+        votes[self.comm.rank] = int(active)
+        self.comm.all_reduce(votes, op="sum")
+        return np.flatnonzero(votes).tolist()
+
+    def shadow_forward(self) -> int:
+        """A joined rank's part of the active ranks' buffer broadcast; returns how many ranks still train."""
+        active = self._active(False)
+        if active:
+            self.sync_buffers("broadcast", min(active))
+        return len(active)
+
+    def after_join(self, last: int) -> None:
+        """Every rank takes the buffers of the last rank to join (its forward updated them last)."""
+        self.sync_buffers("broadcast", last)
+
+    def join_hooks(self) -> tuple[Callable[[], int] | None, Callable[[int], None] | None]:
+        """``(shadow_forward, after_join)`` for the runner's join loop, or ``(None, None)`` when no buffer is
+        broadcast before the forward."""
+        return (self.shadow_forward, self.after_join) if self.hooked else (None, None)
 
     def sync_buffers(self, mode: str = "broadcast", root: int = 0) -> None:
         """Synchronize the model's buffers (BatchNorm running statistics) now (see ``DistOpt.sync_buffers``).
@@ -145,16 +201,26 @@ class ModelSync:
         else:
             average_arrays(self.comm, buffers)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        """Give every rank ``root``'s parameters, buffers and inner optimizer state (see ``DistOpt.broadcast_state``)."""
+    def broadcast_state(self, root: int = 0, schedulers: Sequence[Any] = ()) -> None:
+        """Give every rank ``root``'s parameters, buffers, inner optimizer state and ``schedulers``' state
+        (see ``DistOpt.broadcast_state``; collective)."""
         arrays = self.local.arrays()
         if self.model is not None:
             arrays += named_state(self.model)[1]
         broadcast_arrays(self.comm, arrays, root)
         optimizer = self.local.optimizer
-        state = broadcast_object(self.comm, optimizer.state_dict() if self.comm.rank == root else None, root)
+        mine = (optimizer.state_dict(), [s.state_dict() for s in schedulers]) if self.comm.rank == root else None
+        state, scheduler_states = broadcast_object(self.comm, mine, root)
+        counts = np.zeros(self.comm.size, dtype=np.int64)
+        counts[self.comm.rank] = len(schedulers)
+        self.comm.all_reduce(counts, op="sum")  # every rank learns every count: all raise together
+        if (counts != len(scheduler_states)).any():
+            raise ValueError(f"broadcast_state(schedulers=...): every rank must pass the same number of schedulers; "
+                             f"per rank: {counts.tolist()}")
         if self.comm.rank != root:
             optimizer.load_state_dict(state)
+            for scheduler, saved in zip(schedulers, scheduler_states):
+                scheduler.load_state_dict(saved)
 
     def add_param_group(self, group: dict[str, Any], on_grad: Any) -> None:
         """Add ``group`` to the inner optimizer, take rank 0's values for it, hook it (collective).

@@ -74,20 +74,24 @@ def test_join_with_3_5_7_batches_keeps_replicas_identical(world, strategy):
     assert opt.stats["steps"] == max([3, 5, 7][r % 3] for r in range(world.size))
 
 
-def test_join_average_is_over_contributing_ranks(world):
-    """While a rank has joined, the average divides by the number of ranks still training."""
+@pytest.mark.parametrize("initial", [True, False], ids=["ddp_divisor", "active_divisor"])
+def test_join_average_divides_by_world_size_or_contributing_ranks(world, initial):
+    """While a rank has joined, the sum is divided by the world size (DDP's default, the joined rank
+    contributing zeros) or, with ``divide_by_initial_world_size=False``, by the ranks still training."""
     if world.size < 2:
         pytest.skip("needs two ranks")
-    opt = DistOpt(SGD(lr=1.0))
+    opt = DistOpt(SGD(lr=1.0), divide_by_initial_world_size=initial)
     p = np.zeros(1)
     steps = 1 if world.rank == 0 else 2
-    with opt.join():
+    with opt.join() as joined:
         for s in range(steps):
             opt.step([p], [np.array([float(world.rank + 1)])])
-    # step 1: mean over all ranks of (r+1); step 2: mean over ranks 1..W-1 of (r+1)
+    # step 1: mean over all ranks of (r+1); step 2: the sum over ranks 1..W-1 of (r+1), divided
     first = (world.size + 1) / 2
-    second = np.mean([r + 1 for r in range(1, world.size)])
+    rest = [r + 1 for r in range(1, world.size)]
+    second = sum(rest) / (world.size if initial else len(rest))
     np.testing.assert_allclose(p, [-(first + second)])
+    assert joined.last_joined == world.size - 1
 
 
 def test_join_rejects_sparse(world):

@@ -18,7 +18,7 @@ from distopt.strategies import DGC, PowerSGD
 SHAPES = [(20, 5, 3, 3), (20,), (64, 90), (64,)]
 STRATEGIES = {
     "dgc": lambda: DGC(sparsity=0.99, momentum=0.9, clip_norm=10.0, warmup_steps=2),
-    "powersgd": lambda: PowerSGD(rank=2, start_step=2),
+    "powersgd": lambda: PowerSGD(matrix_rank=2, start_step=2),
 }
 
 

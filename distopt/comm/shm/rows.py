@@ -49,7 +49,7 @@ from ..messages import STALLED, failure_message, mismatch_message, timeout_messa
 from ..wait import Backoff, wait_until
 from .segments import Segments
 
-__all__ = ["ControlRows", "check_platform", "dtype_code", "TSO_MACHINES", "ARRIVE", "REDUCED", "DONE"]
+__all__ = ["ControlRows", "check_platform", "dtype_code", "TSO_MACHINES"]
 
 _BACKOFF = Backoff(busy_s=2e-4, yield_s=0.02, min_sleep_s=5e-5, max_sleep_s=1e-3)
 #: CPUs whose store order makes the plain-store protocol above correct (total store order).
@@ -190,7 +190,7 @@ class ControlRows:
             return not pending
 
         def expired() -> CollectiveTimeoutError:
-            return CollectiveTimeoutError(timeout_message(self._where(op, c), self.timeout, STALLED,
+            return CollectiveTimeoutError(timeout_message(self._where(op, c), self.timeout, STALLED if c else None,
                                                           f"{_fmt_ranks(pending)} {what}"))
 
         wait_until(done, deadline, expired, backoff=_BACKOFF, check=lambda: self._check_alive(pending, op, c),

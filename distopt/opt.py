@@ -134,7 +134,7 @@ class DistOpt:
         self.model_sync: ModelSync | None = None
         if isinstance(local, TorchOptimizer):
             self.follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
-                                      bool(gradient_as_bucket_view))
+                                     bool(gradient_as_bucket_view), model)
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
                                         lambda: self._runner.joining, named_parameters)
         elif model is not None or named_parameters is not None:

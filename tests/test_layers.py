@@ -23,6 +23,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("launch", ("distopt.launch",)),
     ("services", ("distopt.data", "distopt.metrics", "distopt.checkpoint", "distopt.portable", "distopt.optim")),
     ("comm", ("distopt.comm",)),
+    ("launch information", ("distopt.launch.info", "distopt.launch.ranks", "distopt.launch.devices",
+                            "distopt.launch.nccl_id", "distopt.launch.logs")),
     ("core", ("distopt.core", "distopt.errors")),
 )
 

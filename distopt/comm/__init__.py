@@ -19,7 +19,7 @@ from .base import DEFAULT_TIMEOUT, REDUCE_OPS, Communicator
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
-    from ..launch.world import Launch
+    from ..launch.info import Launch
 
 __all__ = ["Communicator", "create", "from_launch", "backend_class", "BACKENDS", "DEFAULT_TIMEOUT", "REDUCE_OPS"]
 
@@ -74,7 +74,7 @@ def from_launch(name: str, launch: Launch) -> tuple[Communicator, RankInfo]:
 
     Args:
         name: a key of :data:`BACKENDS`.
-        launch: this process's :class:`~distopt.launch.world.Launch`.
+        launch: this process's :class:`~distopt.launch.info.Launch`.
 
     Returns:
         The communicator and this process's ranks.

@@ -49,7 +49,7 @@ from .wait import Backoff, resolve_timeout, wait_until
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
-    from ..launch.world import Launch
+    from ..launch.info import Launch
 
 __all__ = ["MPICommunicator"]
 

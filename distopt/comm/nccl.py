@@ -35,7 +35,7 @@ from .wait import Backoff, resolve_timeout, wait_until
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
-    from ..launch.world import Launch
+    from ..launch.info import Launch
 
 _BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 

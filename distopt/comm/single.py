@@ -16,7 +16,7 @@ from .lifecycle import CommunicatorState, Completed, collective
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
-    from ..launch.world import Launch
+    from ..launch.info import Launch
 
 __all__ = ["SingleCommunicator"]
 

@@ -56,7 +56,7 @@ from .wait import resolve_timeout, wait_until
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
-    from ..launch.world import Launch
+    from ..launch.info import Launch
 
 __all__ = ["TorchCommunicator", "TorchHandle"]
 

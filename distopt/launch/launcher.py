@@ -44,7 +44,7 @@ from ._pdeath import _prctl_pdeathsig, die_with_parent
 from ..errors import DistOptError
 from .logs import LOG_FORMAT, rank_filter
 from .nccl_id import NcclIdHolder, new_job_id
-from .world import JOB_ID_ENV
+from .info import JOB_ID_ENV
 
 __all__ = ["WorkerFailedError", "spawn", "progress", "main"]
 
@@ -246,13 +246,10 @@ def _exit_143(*_: Any) -> None:
 def _end_on_signals() -> dict[int, Any]:
     """In the main thread, make SIGTERM a ``SystemExit(143)`` and SIGINT a KeyboardInterrupt (so cleanup runs).
 
-    Installed whatever the inherited disposition: a shell starts a background
-    job with SIGINT ignored, and its children would inherit that.
+    Installed whatever the inherited disposition (a background shell job starts with SIGINT ignored).
 
     Returns:
-        The previous handlers that can be put back (``signal.signal``'s
-        return value, where Python installed them); empty outside the main
-        thread, where handlers cannot be set.
+        The previous handlers Python can put back; empty outside the main thread (no handler is set there).
     """
     if threading.current_thread() is not threading.main_thread():
         return {}

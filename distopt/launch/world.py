@@ -34,49 +34,13 @@ from typing import Any
 
 from .. import comm as _comm
 from . import ranks
+from .info import JOB_ID_ENV, Launch
 from ..comm.base import Communicator
 
-__all__ = ["build_world", "choose_backend", "init", "current", "World", "Launch", "JOB_ID_ENV", "comm_for"]
+__all__ = ["build_world", "choose_backend", "init", "current", "World", "comm_for"]
 
 log = logging.getLogger("distopt")
 
-#: Set by ``python -m distopt.launch``: the id the copies of one job share (their shm segments' names).
-JOB_ID_ENV = "DISTOPT_JOB_ID"
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a backend builds itself from: its class's ``from_launch(launch)`` returns ``(communicator,
-    rank info)`` (see :func:`distopt.comm.from_launch`).
-
-    Attributes:
-        env: the environment.
-        timeout: collective deadline in seconds, or None for ``$DISTOPT_TIMEOUT`` / 300.
-        gpu_num: this process's device number on its node, when given explicitly.
-        gpu_per_node: processes per node, when given explicitly.
-        holder: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the multiprocessing mode
-            (:func:`distopt.launch.spawn`), else None.
-    """
-
-    env: Mapping[str, str]
-    timeout: float | None = None
-    gpu_num: int | None = None
-    gpu_per_node: int | None = None
-    holder: Any = None
-
-    @property
-    def job_id(self) -> str | None:
-        """The id that names the job's shm segments: the holder's, else ``$DISTOPT_JOB_ID``, else None."""
-        return self.holder.job_id if self.holder is not None else self.env.get(JOB_ID_ENV)
-
-    def rank_info(self, mpi_comm: Any = None) -> ranks.RankInfo:
-        """This process's ranks (:func:`distopt.launch.ranks.resolve`; with ``mpi_comm``, from MPI where
-        neither arguments nor launcher variables tell: collective over it).
-
-        Raises:
-            ValueError: as :func:`~distopt.launch.ranks.resolve`.
-        """
-        return ranks.resolve(gpu_num=self.gpu_num, gpu_per_node=self.gpu_per_node, env=self.env, mpi_comm=mpi_comm)
 
 
 def choose_backend(source: str | None, env: Mapping[str, str]) -> str:

@@ -55,9 +55,6 @@ Rules:
 """
 from __future__ import annotations
 
-import os
-import sys
-import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -67,30 +64,10 @@ from ..step.runner import StepRunner
 from ..strategies.base import GradientStrategy, ParameterAverager, Strategy
 from .adapter import TorchOptimizer, as_array
 from .bucket_views import BucketViews
+from .nested import inside_nested_backward
+from .owners import claim, release
 
 __all__ = ["Follower"]
-
-
-def _inside_nested_backward() -> bool:
-    """Whether the calling hook runs in a backward pass started from inside another one's autograd
-    Function (reentrant activation checkpointing: ``torch.utils.checkpoint(..., use_reentrant=True)``
-    runs the block's backward as a nested ``torch.autograd.backward``), on any thread."""
-    frame = sys._getframe(2)
-    in_backward = False
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_engine_run_backward":
-            in_backward = True
-        elif in_backward and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_FUNCTION_FILE = os.path.join("autograd", "function.py")
-
-#: Which follower averages each tensor: the first DistOpt built over it (in the same order on every rank).
-_OWNERS: weakref.WeakKeyDictionary[Any, Follower] = weakref.WeakKeyDictionary()
 
 
 def _tensor(array: Any) -> Any:
@@ -140,6 +117,7 @@ class Follower:
         self._threshold: int | None = None
         self._task: int | None = None  # the graph task of the backward being followed
         self._nested: set[int] = set()  # graph tasks run from inside it (reentrant checkpointing)
+        self._await_outer = False  # the backward began in a nested task; its enclosing one is not known yet
         self._syncing = False
         self._pipeline: BucketPipeline | None = None
         self._stale: BucketPipeline | None = None
@@ -154,13 +132,11 @@ class Follower:
 
     def _owned(self) -> list[Any]:
         """The trainable tensors this follower averages: those no other live follower claimed first."""
-        return [t for t in self.local.trainable() if _OWNERS.setdefault(t, self) is self]
+        return [t for t in self.local.trainable() if claim(t, self)]
 
     def release(self) -> None:
         """Give up the tensors this follower averages (``DistOpt.close()``): another DistOpt may claim them."""
-        for t in self.local.params():
-            if _OWNERS.get(t) is self:
-                del _OWNERS[t]
+        release(self.local.params(), self)
 
     def _current(self) -> Strategy:
         return self.runner.strategy if self._strategy is None else self._strategy
@@ -176,12 +152,8 @@ class Follower:
 
         task = torch._C._current_graph_task_id()
         nested = task in self._nested
-        if task != self._task and not nested:
-            if self._task is not None and _inside_nested_backward():
-                self._nested.add(task)
-                nested = True
-            else:
-                self._new_backward(task)
+        if not nested and task != self._task:
+            nested = self._place(task)
         if not isinstance(self._current(), GradientStrategy):
             return
         if param.grad is not None and param.grad.is_sparse:
@@ -198,8 +170,38 @@ class Follower:
                     self.views.adopt(param, index)
                 self._pipeline.ready(index, as_array(param.grad))
 
-    def _new_backward(self, task: int) -> None:
-        """The first final gradient of a backward pass: its strategy, whether it reduces; queue its end."""
+    def _place(self, task: int) -> bool:
+        """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a
+        nested backward's (reentrant checkpointing), starting or ending backward passes as needed.
+
+        Graph task ids grow: the backward that encloses nested ones has a smaller id than they do.
+        """
+        if inside_nested_backward():
+            if self._task is None and not self._await_outer:  # the backward starts in a nested one
+                self._new_backward(None)
+                self._await_outer = True
+            self._nested.add(task)
+            return True
+        if self._await_outer and task < min(self._nested):  # the enclosing backward, reached at last
+            self._await_outer = False
+            self._task = task
+            from torch.autograd import Variable
+
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            return False
+        self._finish_awaited()
+        self._new_backward(task)
+        return False
+
+    def _finish_awaited(self) -> None:
+        """End a backward whose enclosing graph task showed no hook of its own (all in checkpoints)."""
+        if self._await_outer:
+            self._await_outer = False
+            self._end_of_backward()
+
+    def _new_backward(self, task: int | None) -> None:
+        """The first final gradient of a backward pass: its strategy, whether it reduces; queue its end
+        (on graph task ``task``; None: the enclosing task is not known yet)."""
         from torch.autograd import Variable
 
         self._task = task
@@ -212,7 +214,8 @@ class Follower:
         self._syncing = isinstance(strategy, GradientStrategy) and wanted and self.passes + 1 >= self.k
         if not isinstance(strategy, GradientStrategy):
             return  # a parameter averager: nothing to reduce in backward
-        Variable._execution_engine.queue_callback(self._end_of_backward)
+        if task is not None:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
         if self._syncing and self.runner.overlap and strategy.supports_overlap:
             self._pipeline = self._begin()
 
@@ -286,6 +289,7 @@ class Follower:
 
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
+        self._finish_awaited()
         self.drain(outside_backward=True)
         if not isinstance(self._current(), GradientStrategy) or self.skip_depth:
             return
@@ -363,6 +367,7 @@ class Follower:
     def synchronize(self) -> None:
         """Horovod's ``synchronize()``: average what was accumulated without being averaged (``no_sync``,
         ``backward_passes_per_step``) now; a no-op when ``.grad`` holds the average already (collective)."""
+        self._finish_awaited()
         self.drain(outside_backward=True)
         if self._pending and isinstance(self._current(), GradientStrategy):
             self.reduce()

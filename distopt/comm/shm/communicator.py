@@ -33,7 +33,7 @@ from .segments import Segments
 
 if TYPE_CHECKING:
     from ...launch.ranks import RankInfo
-    from ...launch.world import Launch
+    from ...launch.info import Launch
 
 __all__ = ["ShmCommunicator"]
 

@@ -1,0 +1,150 @@
+"""DistOpt as the torch optimizer, against one process (tests/torch_optimizer_cases.py).
+
+Every item runs in the simulated world at W = 2 and 3; ``test_every_item_on``
+runs them all again on the real backends (MPI, shm, torch.distributed) at
+W = 2 and 3. float64 throughout: where the arithmetic is the same the
+comparison is bitwise, else to 1e-10.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests import torch_optimizer_cases as cases  # noqa: E402
+from tests.backends import run_case  # noqa: E402
+
+WORLDS = (2, 3)
+TOL = 1e-10
+
+
+def _close(a: Any, b: Any, tol: float = TOL) -> bool:
+    return float((a - b).abs().max()) <= tol
+
+
+def _identical(results: list[Any], pick: Any = lambda r: r) -> bool:
+    first = pick(results[0])
+    return all(torch.equal(pick(r), first) for r in results[1:])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", cases.SCHEDULERS)
+def test_lr_schedulers_accept_it_and_match_one_process(kind: str, world: int):
+    results = run_case("sim", world, cases.case_scheduler, kind)
+    lrs, params = cases.reference_scheduler(kind, world)
+    for is_optimizer, got_lrs, got in results:
+        assert is_optimizer
+        assert got_lrs == lrs
+        assert _close(got, params)
+    assert _identical(results, lambda r: r[2])
+
+
+def _check_state_dict(results: list[dict[str, Any]]) -> None:
+    for out in results:
+        assert out["keys"] == ["distopt", "param_groups", "state"]
+        assert torch.equal(out["resumed"], out["uninterrupted"])  # resume is bitwise the uninterrupted run
+        assert out["steps_restored"] == 2
+        assert float(out["plain_step"]) == 2.0
+        assert torch.equal(out["from_plain"], out["single_exp_avg"])
+        assert out["old_format_warned"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_state_dict_is_torchs_layout_and_loads_both_ways(world: int):
+    _check_state_dict(run_case("sim", world, cases.case_state_dict))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"], ids=["plain", "strong_wolfe"])
+def test_h61_lbfgs_step_closure_equals_one_process(line_search: str | None, world: int):
+    """Every closure evaluation's gradient and loss are averaged: the ranks evaluate the closure as often
+    as one process on the full batch does, and land where it lands."""
+    results = run_case("sim", world, cases.case_lbfgs, line_search)
+    evals, params = cases.reference_lbfgs(line_search, world)
+    assert [n for n, _ in results] == [evals] * world
+    assert _identical(results, lambda r: r[1])
+    assert _close(results[0][1], params, 1e-8)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_learning_rates_that_drift_apart_raise_on_every_rank(world: int):
+    messages = run_case("sim", world, cases.case_lr_mismatch)
+    for m in messages:
+        assert "param_groups[0]['lr']" in m and "rank 0 has 0.1" in m, m
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_broadcast_state_carries_the_schedulers(world: int):
+    assert run_case("sim", world, cases.case_broadcast_state) == [(0.0125, 3)] * world
+
+
+def _check_join(results: list[Any], world: int) -> None:
+    assert _identical(results, lambda r: r[0])  # parameters
+    assert _identical(results, lambda r: r[1])  # buffers, after the final sync from the last rank to join
+    assert [r[2] for r in results] == [world - 1] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("counts", ["rank0_first", "rank0_last"])
+def test_h51_join_with_a_batchnorm_model(counts: str, world: int):
+    """Uneven batch counts with buffers broadcast before each forward: joined ranks (rank 0 among them)
+    shadow the broadcasts of the ranks still training; parameters and buffers end identical."""
+    per_rank = [2] + [4] * (world - 1) if counts == "rank0_first" else [4] + [2] * (world - 1)
+    results = run_case("sim", world, cases.case_join_batchnorm, per_rank)
+    assert _identical(results, lambda r: r[0]) and _identical(results, lambda r: r[1])
+    assert [r[2] for r in results] == [(world - 1) if counts == "rank0_first" else 0] * world
+
+
+def _check_horovod(results: list[dict[str, Any]], world: int) -> None:
+    clipped, after = cases.reference_horovod_idioms(world)
+    n_params = sum(p.numel() for p in cases.make_model().parameters())
+    for out in results:
+        assert _close(out["clipped"], clipped)
+        assert _close(out["toggle"], after)
+        assert out["started_in_backward"] >= 1
+        assert out["toggle_wire_bytes"] == 8 * n_params  # one float64 reduction for two micro-batches
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_horovod_and_ddp_idioms(world: int):
+    _check_horovod(run_case("sim", world, cases.case_horovod_idioms), world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("variant", ["once", "twice", "passes", "no_sync"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_h48_activation_checkpointing(reentrant: bool, variant: str, world: int):
+    """Every use of a checkpointed block is summed as in one process, and one step makes one reduction."""
+    results = run_case("sim", world, cases.case_checkpointing, reentrant, variant)
+    want = cases.reference_checkpointing(variant, world)
+    n_params = sum(p.numel() for p in cases.make_model().parameters())
+    for params, wire in results:
+        assert _close(params, want)
+        assert wire == 8 * n_params
+    assert _identical(results, lambda r: r[0])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_two_distopts_over_overlapping_parameters_average_each_gradient_once(world: int):
+    assert run_case("sim", world, cases.case_two_optimizers) == [cases.expected_two_optimizers(world)] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])
+def test_every_item_on(backend: str, world: int):
+    results = run_case(backend, world, cases.case_every_item, timeout=240)
+    lrs, params = cases.reference_scheduler("OneCycleLR", world)
+    assert all(r["scheduler"][1] == lrs and _close(r["scheduler"][2], params) for r in results)
+    _check_state_dict([r["state_dict"] for r in results])
+    evals, params = cases.reference_lbfgs("strong_wolfe", world)
+    assert [r["lbfgs"][0] for r in results] == [evals] * world
+    assert _close(results[0]["lbfgs"][1], params, 1e-8)
+    assert all("param_groups[0]['lr']" in r["lr_mismatch"] for r in results)
+    assert [r["broadcast_state"] for r in results] == [(0.0125, 3)] * world
+    _check_join([r["join"] for r in results], world)
+    _check_horovod([r["horovod"] for r in results], world)
+    want = cases.reference_checkpointing("twice", world)
+    assert all(_close(r["checkpointing"][0], want) for r in results)
+    assert [r["two"] for r in results] == [cases.expected_two_optimizers(world)] * world

@@ -157,6 +157,15 @@ def _write_atomically(path: Path, payload: Any) -> None:
         raise
 
 
+def _extras(state: dict[str, Any]) -> dict[str, Any]:
+    """Where ``DistOpt.state_dict()`` keeps distopt's own state: under ``"distopt"`` in torch's layout (a
+    PyTorch optimizer), at the top for array optimizers."""
+    if "distopt" in state:
+        state["distopt"] = dict(state["distopt"])
+        return state["distopt"]
+    return state
+
+
 def _residual_path(path: Path, rank: int) -> Path:
     return path.with_name(f"{path.name}.rank{rank}.residuals")
 
@@ -185,7 +194,7 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
     """
     path = Path(path)
     state = opt.state_dict()
-    residuals = state.pop("rank_local", {})
+    residuals = _extras(state).pop("rank_local", {})
     wrote = opt.rank_in_global == 0
     payload, error = None, None
     if wrote:
@@ -252,15 +261,16 @@ def _restore(path: Path, opt: Any, map_location: Any) -> Any:
         raise ValueError(f"checkpoint {path} has format {found!r}; this distopt reads format {CHECKPOINT_FORMAT}: "
                          "re-create it with this version")
     state = dict(payload["opt"])
+    extras = _extras(state)
     rpath = _residual_path(path, opt.rank_in_global)
     if payload["world_size"] != opt.world_size:
         log.warning("checkpoint %s was written with world size %d, this job has %d: replicated state restored, "
                     "error-feedback residuals start at zero", path, payload["world_size"], opt.world_size)
-        state["rank_local"] = {}
+        extras["rank_local"] = {}
     elif rpath.exists():
-        state["rank_local"] = _read(rpath, map_location)
+        extras["rank_local"] = _read(rpath, map_location)
     else:
-        state["rank_local"] = {}
+        extras["rank_local"] = {}
         log.info("no residual file %s: error-feedback residuals start at zero", rpath)
     opt.load_state_dict(state)
     return from_portable(payload["model"])

@@ -7,7 +7,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .core.buckets import is_float, plan_buckets
-from .comm.base import Communicator
+from .comm.base import Communicator, check_reduce_args
+from .errors import CollectiveMismatchError
+from .step.agreement import digest
 from .metrics import all_gather_object, broadcast_object, reduce_metrics
 from .step.engine import DEFAULT_THRESHOLD, Engine
 from .step.local import LocalOptimizer
@@ -31,19 +33,51 @@ class Collectives:
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce of one array or contiguous torch tensor (sum by default), zero-copy.
 
+        The ranks first agree on the call (one small all-gather of its
+        shape, dtype, op and whether its arguments are valid here), so a bad
+        argument or a shape that differs is raised on every rank at once.
+
         Returns:
             ``array`` itself, holding the result.
 
         Raises:
-            TypeError: a non-contiguous or sparse tensor.
+            TypeError / ValueError: on every rank, naming the rank whose
+                argument is bad (an unsupported op or dtype, a
+                non-contiguous or sparse tensor).
+            CollectiveMismatchError: on every rank, the shape, dtype or op
+                differs across ranks.
         """
-        self.comm.all_reduce(_view(array), op=op)
+        view = self._agreed("all_reduce", array, op=op)
+        self.comm.all_reduce(view, op=op)
         return array
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast of one array or contiguous torch tensor from ``root``; returns ``array``."""
-        self.comm.broadcast(_view(array), root=root)
+        """In-place broadcast of one array or contiguous torch tensor from ``root``; returns ``array``.
+
+        Raises:
+            TypeError / ValueError / CollectiveMismatchError: as :meth:`all_reduce`, on every rank.
+        """
+        view = self._agreed("broadcast", array, root=root)
+        self.comm.broadcast(view, root=root)
         return array
+
+    def _agreed(self, call: str, array: Any, **args: Any) -> Any:
+        """The array view of ``array``, once every rank has checked its arguments and they match."""
+        view, problem = None, ""
+        try:
+            view = _view(array)
+            if call == "all_reduce":
+                check_reduce_args(view, args["op"])
+            elif not 0 <= args["root"] < self.comm.size:
+                raise ValueError(f"root must be in [0, {self.comm.size}), got {args['root']}")
+        except (TypeError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        mine = [problem, list(getattr(array, "shape", ())), str(getattr(array, "dtype", "")), args]
+        header = np.array([int(bool(problem)), digest(mine[1:])], dtype=np.int64)
+        everyone = self.comm.all_gather(header)
+        if everyone[:, 0].any() or (everyone[:, 1] != everyone[0, 1]).any():
+            _raise_everywhere(call, all_gather_object(self.comm, mine))
+        return view
 
     def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, Any]:
         """Sum metrics (scalars or vectors) over ranks (means for names in ``mean``); see
@@ -119,3 +153,17 @@ def _view(array: Any) -> Any:
 
         return as_array(array)
     return array
+
+
+def _raise_everywhere(call: str, everyone: list[list[Any]]) -> None:
+    """Raise, on every rank alike, the first rank's argument error, else the first difference."""
+    for rank, (problem, *_rest) in enumerate(everyone):
+        if problem:
+            kind, _, text = problem.partition(": ")
+            raise (TypeError if kind == "TypeError" else ValueError)(f"{call} on rank {rank}: {text}")
+    names = ("shape", "dtype", "arguments")
+    for rank, other in enumerate(everyone[1:], start=1):
+        for name, a, b in zip(names, everyone[0][1:], other[1:]):
+            if a != b:
+                raise CollectiveMismatchError(f"{call}: the {name} differs across ranks: rank 0 has {a}, "
+                                              f"rank {rank} has {b}")

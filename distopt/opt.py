@@ -21,7 +21,7 @@ from .step.accumulate import GradientAccumulator
 from .step.engine import Engine
 from .step.local import ArrayOptimizer
 from .step.runner import JoinResult, StepRunner
-from .step.state import STATE_FORMAT, StepState
+from .step.state import StepState
 from .step.strategy_set import StrategySet
 from .strategies import Dense, Strategy
 from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
@@ -30,7 +30,7 @@ from .torch.follower import Follower
 from .torch.model_sync import ModelSync
 from .torch.optimizer import optimizer_class
 
-__all__ = ["DistOpt", "STATE_FORMAT"]
+__all__ = ["DistOpt"]
 
 
 class DistOpt:

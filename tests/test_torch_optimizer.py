@@ -132,9 +132,59 @@ def test_two_distopts_over_overlapping_parameters_average_each_gradient_once(wor
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_distopt_save_and_load_keep_torch_layout_and_per_rank_residuals(world: int, tmp_path):
+    for uninterrupted, resumed in run_case("sim", world, cases.case_save_load, str(tmp_path / "ckpt.pt")):
+        assert torch.equal(uninterrupted, resumed)
+
+
+def _dtype_ok(got: Any, want: Any, strategy: str, world: int) -> bool:
+    """Dense: bitwise. A 16-bit wire rounds each rank's predivided gradient (and a backend may sum in 16
+    bits): within 4 units of the wire's rounding of the update, plus one of the parameter's own."""
+    if strategy == "dense":
+        return torch.equal(got, want)
+    wire = torch.finfo(torch.bfloat16 if strategy == "half_bf16" else torch.float16).eps
+    mean = (world + 1) / 2
+    tol = 0.1 * mean * 4 * wire + torch.finfo(want.dtype).eps * float(want.abs().max())
+    return got.dtype == want.dtype and float((got.double() - want.double()).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strategy", ["dense", "half", "half_bf16"])
+@pytest.mark.parametrize("dtypes", [["bfloat16"], cases.DTYPES], ids=["bfloat16", "mixed"])
+def test_h55_every_floating_dtype(dtypes: list[str], strategy: str, world: int):
+    """bfloat16 (and float16, float32, float64 in one model): the parameters keep their dtype, the update
+    is the average of the local gradients (bitwise with a dense wire, else within the wire's rounding),
+    replicas identical."""
+    results = run_case("sim", world, cases.case_dtypes, dtypes, strategy)
+    want = [w for d, w in zip(cases.DTYPES, cases.expected_dtypes(world)) if d in dtypes]
+    for params, names in results:
+        assert names == [f"torch.{d}" for d in dtypes]
+        assert all(_dtype_ok(p, w, strategy, world) for p, w in zip(params, want))
+    assert _identical(results, lambda r: torch.cat([p.double().reshape(-1) for p in r[0]]))
+
+
+def _check_collective_errors(results: list[Any], world: int) -> None:
+    for got in results:
+        assert len(got) == 5
+        for (kind, text), (want_kind, want_text) in zip(got, cases.expected_collective_errors(world)):
+            assert kind == want_kind and want_text in text, (kind, text)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collective_argument_errors_are_raised_on_every_rank_at_once(world: int):
+    _check_collective_errors(run_case("sim", world, cases.case_collective_errors), world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])
-def test_every_item_on(backend: str, world: int):
-    results = run_case(backend, world, cases.case_every_item, timeout=240)
+def test_every_item_on(backend: str, world: int, tmp_path):
+    results = run_case(backend, world, cases.case_every_item, str(tmp_path / "ckpt.pt"), timeout=240)
+    assert all(torch.equal(*r["save_load"]) for r in results)
+    _check_collective_errors([r["collective_errors"] for r in results], world)
+    want = cases.expected_dtypes(world)
+    for r in results:
+        for strategy, params in zip(("dense", "half", "half_bf16"), r["dtypes"]):
+            assert all(_dtype_ok(p, w, strategy, world) for p, w in zip(params, want)), (backend, strategy)
     lrs, params = cases.reference_scheduler("OneCycleLR", world)
     assert all(r["scheduler"][1] == lrs and _close(r["scheduler"][2], params) for r in results)
     _check_state_dict([r["state_dict"] for r in results])

@@ -219,3 +219,17 @@ def test_mpi_script_without_close_exits_without_ucx_warnings():
     assert res.returncode == 0, res.stdout[-3000:]
     assert _results(res.stdout) == [["mpi", r, 2, r, [-1.5] * 3] for r in range(2)], res.stdout
     assert "UCX" not in res.stdout and "mpool" not in res.stdout, res.stdout[-3000:]
+
+
+@pytest.mark.parametrize("order", ["destroy", "destroy_close", "close_destroy", "neither"])
+def test_h53_teardown_in_any_order_under_torchrun(order):
+    """The script owns the process group; whatever the order of destroy_process_group() and close(),
+    every rank exits 0 within 30 s, with identical parameters, no traceback and no warning."""
+    pytest.importorskip("torch")
+    res = _run([*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                str(free_port()), str(LAUNCHED / "h53_teardown.py"), order], timeout=30)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = sorted(re.findall(rf"^H53 (\d) {order} (.*)$", res.stdout, flags=re.M))
+    assert [r for r, _ in lines] == ["0", "1"] and lines[0][1] == lines[1][1], out[-4000:]
+    assert "Traceback" not in out and "Warning" not in out and "warn" not in out.lower(), out[-4000:]

@@ -324,9 +324,26 @@ def expected_two_optimizers(world: int) -> tuple[float, float]:
     return -2 * mean, -2 * mean
 
 
-def case_every_item(rank: int, comm: Any) -> dict[str, Any]:
+DTYPES = ["bfloat16", "float32", "float16", "float64"]
+
+
+def expected_dtypes(world: int) -> list[Any]:
+    """One process: each parameter minus 0.1 times the mean over ranks of ``r + 1``, in its own dtype."""
+    g = torch.Generator().manual_seed(3)
+    mean = float(np.mean([r + 1.0 for r in range(world)]))
+    out = []
+    for d in DTYPES:
+        p = torch.randn(4, 3, generator=g).to(getattr(torch, d))
+        out.append(p.add_(torch.full_like(p, mean), alpha=-0.1))
+    return out
+
+
+def case_every_item(rank: int, comm: Any, path: str) -> dict[str, Any]:
     """The items above in one job, for the real backends (one process start per backend and size)."""
     return {
+        "save_load": case_save_load(rank, comm, path),
+        "collective_errors": case_collective_errors(rank, comm),
+        "dtypes": [case_dtypes(rank, comm, DTYPES, s)[0] for s in ("dense", "half", "half_bf16")],
         "scheduler": case_scheduler(rank, comm, "OneCycleLR"),
         "state_dict": case_state_dict(rank, comm),
         "lbfgs": case_lbfgs(rank, comm, "strong_wolfe"),
@@ -353,3 +370,67 @@ def reference_horovod_idioms(world: int) -> tuple[Any, Any]:
     loss_of(model, x, y).backward()
     opt.step()
     return clipped, flat(model)
+
+
+def case_save_load(rank: int, comm: Any, path: str) -> tuple[Any, Any]:
+    """distopt.save / load with a torch optimizer and per-rank residuals: the next step equals an
+    uninterrupted run's, bitwise."""
+    import distopt
+    from distopt.strategies import Sparse
+
+    def build() -> tuple[Any, Any]:
+        model = make_model()
+        return model, DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm=comm, model=model,
+                              strategy=Sparse(density=0.25, select="topk"))
+
+    model, opt = build()
+    _steps(model, opt, rank, comm.size, 0, 2)
+    distopt.save(path, model.state_dict(), opt)
+    _steps(model, opt, rank, comm.size, 2, 4)
+    resumed, opt2 = build()
+    resumed.load_state_dict(distopt.load(path, opt2))
+    _steps(resumed, opt2, rank, comm.size, 2, 4)
+    return flat(model), flat(resumed)
+
+
+def case_dtypes(rank: int, comm: Any, dtypes: list[str], strategy: str) -> tuple[Any, list[str]]:
+    """A model of ``dtypes`` parameters (bfloat16, float16, float32, float64), one SGD step (lr 0.1)."""
+    from distopt.strategies import Dense, Half
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=g).to(getattr(torch, d))) for d in dtypes]
+    chosen = {"dense": Dense(), "half": Half(), "half_bf16": Half(wire="bfloat16")}[strategy]
+    opt = DistOpt(torch.optim.SGD(params, lr=0.1), comm=comm, strategy=chosen)
+    opt.zero_grad()
+    sum((p.float() * (rank + 1)).sum() for p in params).backward()
+    opt.step()
+    return [p.detach().clone() for p in params], [str(p.dtype) for p in params]
+
+
+def case_collective_errors(rank: int, comm: Any) -> list[tuple[str, str]]:
+    """Arguments that are bad on one rank only, or shapes that differ: every rank raises at once."""
+    opt = DistOpt(torch.optim.SGD(make_model().parameters(), lr=0.1), comm=comm)
+    calls = [
+        lambda: opt.all_reduce(torch.ones(3, dtype=torch.int64 if rank == 1 else torch.float64), op="avg"),
+        lambda: opt.all_reduce(torch.ones((2, 3) if rank == 1 else (3, 2), dtype=torch.float64)),
+        lambda: opt.broadcast(torch.ones(4, dtype=torch.float64), root=comm.size if rank == 1 else 0),
+        lambda: opt.all_reduce(torch.ones(6, dtype=torch.float64)[::2] if rank == 1 else torch.ones(3)),
+    ]
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append(("ok", ""))
+        except (TypeError, ValueError, CollectiveMismatchError) as exc:
+            out.append((type(exc).__name__, str(exc)))
+    t = torch.full((3,), float(rank + 1), dtype=torch.float64)
+    opt.all_reduce(t)  # the world still works afterwards
+    out.append(("sum", str(t.tolist())))
+    return out
+
+
+def expected_collective_errors(world: int) -> list[tuple[str, str]]:
+    total = float(sum(range(1, world + 1)))
+    return [("TypeError", "all_reduce on rank 1: op='avg'"), ("CollectiveMismatchError", "shape differs"),
+            ("ValueError", "broadcast on rank 1: root must be in"), ("TypeError", "all_reduce on rank 1:"),
+            ("sum", str([total] * 3))]

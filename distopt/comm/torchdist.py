@@ -334,7 +334,8 @@ class TorchCommunicator(CommunicatorState):
         self._agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
 
     def close(self) -> None:
-        """Destroy the process group distopt created (the default one, or its own group); idempotent.
+        """Destroy the process group distopt created (the default one, or its own group); idempotent, and
+        a no-op after the script's own ``dist.destroy_process_group()`` (which destroys every group).
 
         Local: no rank waits for the others. Every later call raises
         :class:`~distopt.errors.CommunicatorClosedError`.
@@ -343,9 +344,10 @@ class TorchCommunicator(CommunicatorState):
             return
         self.closed = True
         forget_at_exit(self)
+        if not dist.is_initialized():
+            return  # the script destroyed the default group already, and every group with it
         if self._owns_default:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            dist.destroy_process_group()
         elif self._group is not None:
             dist.destroy_process_group(self._group)
 

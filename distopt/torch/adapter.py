@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
-__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array"]
+__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor"]
 
 
 def is_torch_optimizer(opt: Any) -> bool:
@@ -52,11 +54,42 @@ def as_array(tensor: Any) -> Any:
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; distopt needs "
                         "contiguous parameters and gradients")
     tensor = tensor.detach()
+    if str(tensor.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: view the bits as ml_dtypes' type
+        if tensor.is_cuda:
+            raise TypeError("bfloat16 CUDA tensors cannot be viewed as CuPy arrays (CuPy has no bfloat16): keep "
+                            "CUDA parameters in float32 or float16, or use torch.autocast(dtype=torch.bfloat16)")
+        return tensor.view(_int16()).numpy().view(_bfloat16())
     if tensor.is_cuda:
         import cupy
 
         return cupy.from_dlpack(tensor)
     return tensor.numpy()
+
+
+def as_tensor(array: Any) -> Any:
+    """The torch tensor sharing ``array``'s memory (NumPy, ml_dtypes' bfloat16 included, or CuPy)."""
+    import torch
+
+    if not hasattr(array, "__array_interface__"):
+        return torch.from_dlpack(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _int16() -> Any:
+    import torch
+
+    return torch.int16
+
+
+def _bfloat16() -> Any:
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise TypeError("bfloat16 parameters on the CPU need ml_dtypes (NumPy's bfloat16): "
+                        "pip install 'distopt[bf16]'") from exc
+    return ml_dtypes.bfloat16
 
 
 class TorchOptimizer(LocalOptimizer):

@@ -62,19 +62,12 @@ from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
 from ..strategies.base import GradientStrategy, ParameterAverager, Strategy
-from .adapter import TorchOptimizer, as_array
+from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .nested import inside_nested_backward
 from .owners import claim, release
 
 __all__ = ["Follower"]
-
-
-def _tensor(array: Any) -> Any:
-    """The torch tensor sharing ``array``'s memory (NumPy or CuPy)."""
-    import torch
-
-    return torch.from_numpy(array) if hasattr(array, "__array_interface__") else torch.from_dlpack(array)
 
 
 class Follower:
@@ -281,9 +274,9 @@ class Follower:
             elif t.grad is None and views is not None:
                 t.grad = views.views[i]  # its slot (zeros here) holds the average of the other ranks
             elif t.grad is None:
-                t.grad = _tensor(g)
+                t.grad = as_tensor(g)
             elif shadow:
-                t.grad.copy_(_tensor(g).reshape(t.grad.shape))
+                t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
         self.local.hook(self._tensors, self.on_grad)
         return outcome
 

@@ -63,10 +63,21 @@ _SLOTS = 16  # int64 slots per row: 128 bytes, two cache lines
 _JOINED, _CLOSED = 1, 2
 
 _KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v")
+
+
+def _bfloat16() -> tuple[np.dtype, ...]:
+    """ml_dtypes' bfloat16 (NumPy has none), where it is installed: the last dtype code."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return ()
+    return (np.dtype(ml_dtypes.bfloat16),)
+
+
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
     np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-))
+)) + _bfloat16()
 
 
 def check_platform(size: int) -> None:

@@ -15,19 +15,11 @@ import pytest
 
 from distopt import SGD, DistOpt
 from distopt.strategies import DGC, PowerSGD
+from tests.strategy_data import SHAPES
+from tests.strategy_data import grads_for as _grads
+from tests.strategy_data import params_for as _params
 from tests.simworld import run_world
 
-SHAPES = [(6, 2, 3, 3), (6,), (20, 30), (30,), (4, 5)]  # a conv weight and its bias, two matrices, a bias
-
-
-def _grads(step: int, rank: int, shapes, dtype=np.float64) -> list[np.ndarray]:
-    rng = np.random.default_rng(1000 * step + 17 * rank)
-    return [rng.standard_normal(s).astype(dtype) for s in shapes]
-
-
-def _params(shapes, dtype=np.float64) -> list[np.ndarray]:
-    rng = np.random.default_rng(5)
-    return [rng.standard_normal(s).astype(dtype) for s in shapes]
 
 
 # ---------------------------------------------- replicas and state round trips

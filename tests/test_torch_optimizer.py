@@ -198,3 +198,12 @@ def test_every_item_on(backend: str, world: int, tmp_path):
     want = cases.reference_checkpointing("twice", world)
     assert all(_close(r["checkpointing"][0], want) for r in results)
     assert [r["two"] for r in results] == [cases.expected_two_optimizers(world)] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_step_hooks_zero_grad_and_add_param_group(world: int):
+    mean = sum(r + 1.0 for r in range(world)) / world
+    for out in run_case("sim", world, cases.case_optimizer_surface):
+        assert out["hooks"] == ["pre", "post"] and out["zeroed"] and out["none"]
+        assert out["broadcast"].tolist() == [0.0, 0.0]
+        assert out["extra"].tolist() == [-mean, -mean]

@@ -74,12 +74,7 @@ def _train_with_scheduler(kind: str, model: Any, opt: Any, rank: int | None, wor
     scheduler = make_scheduler(kind, opt)
     lrs = []
     for s in range(STEPS):
-        x, y = data(s, world)
-        if rank is not None:
-            x, y = mine(x, rank), mine(y, rank)
-        opt.zero_grad()
-        loss_of(model, x, y).backward()
-        opt.step()
+        _steps(model, opt, rank, world, s, s + 1)
         lrs.append(opt.param_groups[0]["lr"])
         if kind == "ReduceLROnPlateau":
             scheduler.step(1.0)  # the same metric on every rank, never improving: the lr halves each step
@@ -434,3 +429,28 @@ def expected_collective_errors(world: int) -> list[tuple[str, str]]:
     return [("TypeError", "all_reduce on rank 1: op='avg'"), ("CollectiveMismatchError", "shape differs"),
             ("ValueError", "broadcast on rank 1: root must be in"), ("TypeError", "all_reduce on rank 1:"),
             ("sum", str([total] * 3))]
+
+
+def case_optimizer_surface(rank: int, comm: Any) -> dict[str, Any]:
+    """Step hooks, zero_grad(set_to_none=...), add_param_group (rank 0's values for the new group)."""
+    out: dict[str, Any] = {}
+    model = make_model()
+    opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, model=model)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    x, y = data(0, comm.size)
+    loss_of(model, mine(x, rank), mine(y, rank)).backward()
+    opt.step()
+    out["hooks"] = list(calls)
+    opt.zero_grad(set_to_none=False)
+    out["zeroed"] = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    out["none"] = all(p.grad is None for p in model.parameters())
+    extra = torch.nn.Parameter(torch.full((2,), float(rank), dtype=torch.float64))
+    opt.add_param_group({"params": [extra], "lr": 1.0})
+    out["broadcast"] = extra.detach().clone()  # rank 0's value
+    (extra * (rank + 1.0)).sum().backward()
+    opt.step()
+    out["extra"] = extra.detach().clone()
+    return out

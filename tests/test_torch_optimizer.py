@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from distopt.strategies import REGISTRY  # noqa: E402
 from tests import torch_optimizer_cases as cases  # noqa: E402
 from tests.backends import run_case  # noqa: E402
 
@@ -207,3 +208,12 @@ def test_step_hooks_zero_grad_and_add_param_group(world: int):
         assert out["hooks"] == ["pre", "post"] and out["zeroed"] and out["none"]
         assert out["broadcast"].tolist() == [0.0, 0.0]
         assert out["extra"].tolist() == [-mean, -mean]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("example_id", sorted(REGISTRY))
+def test_h55_16_bit_parameters_in_every_strategy(example_id: str, dtype: str):
+    """Every registered strategy steps 16-bit PyTorch parameters: they keep their dtype, replicas agree."""
+    results = run_case("sim", 2, cases.case_strategy_dtype, example_id, dtype)
+    assert all(r.dtype == getattr(torch, dtype) for r in results)
+    assert _identical(results)

@@ -454,3 +454,19 @@ def case_optimizer_surface(rank: int, comm: Any) -> dict[str, Any]:
     opt.step()
     out["extra"] = extra.detach().clone()
     return out
+
+
+def case_strategy_dtype(rank: int, comm: Any, example_id: str, dtype: str) -> Any:
+    """Three steps of a registered strategy over a ``dtype`` parameter: returns the parameter."""
+    from distopt.strategies import REGISTRY
+
+    example = REGISTRY[example_id]
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(8, 6, generator=g).to(getattr(torch, dtype)))
+    opt = DistOpt(torch.optim.SGD([p], lr=0.1, momentum=example.local_momentum), comm=comm,
+                  strategy=example.build())
+    for _ in range(3):
+        opt.zero_grad()
+        (p.float() * (rank + 1)).sum().backward()
+        opt.step()
+    return p.detach().clone()

@@ -165,5 +165,5 @@ def _raise_everywhere(call: str, everyone: list[list[Any]]) -> None:
     for rank, other in enumerate(everyone[1:], start=1):
         for name, a, b in zip(names, everyone[0][1:], other[1:]):
             if a != b:
-                raise CollectiveMismatchError(f"{call}: the {name} differs across ranks: rank 0 has {a}, "
-                                              f"rank {rank} has {b}")
+                raise CollectiveMismatchError(f"{call}: {name} differ{'' if name == 'arguments' else 's'} across "
+                                              f"ranks: rank 0 has {a}, rank {rank} has {b}")

@@ -84,6 +84,10 @@ class DistOpt:
         rank_in_local / local_rank: its rank among the processes of its node.
         world_size: number of processes.
         engine: the step engine (layout, agreement, bucket pipeline).
+        follower: the :class:`~distopt.torch.follower.Follower` of a PyTorch
+            optimizer (None for array optimizers).
+        model_sync: the :class:`~distopt.torch.model_sync.ModelSync` of a
+            PyTorch optimizer (None for array optimizers).
         sampler: a :class:`~distopt.data.DistributedSampler` whose epoch is
             saved in :meth:`state_dict` (assign it to include it).
 
@@ -115,6 +119,8 @@ class DistOpt:
         held = Dense() if strategy is None else strategy
         if gradient_as_bucket_view:
             check_bucket_view(local, held)
+        if (model is not None or named_parameters is not None) and not isinstance(local, TorchOptimizer):
+            raise TypeError("model= and named_parameters= need a torch.optim.Optimizer inside DistOpt")
         accumulator = (GradientAccumulator(backward_passes_per_step)
                        if backward_passes_per_step != 1 and isinstance(local, ArrayOptimizer) else None)
         self.comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
@@ -135,10 +141,9 @@ class DistOpt:
         if isinstance(local, TorchOptimizer):
             self.follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
                                      bool(gradient_as_bucket_view), model)
+            follower = self.follower
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
-                                        lambda: self._runner.joining, named_parameters)
-        elif model is not None or named_parameters is not None:
-            raise TypeError("model= and named_parameters= need a torch.optim.Optimizer inside DistOpt")
+                                        lambda: follower.join_phase(), named_parameters)
 
     @property
     def local_rank(self) -> int:
@@ -188,7 +193,7 @@ class DistOpt:
         """Whether steps with a non-finite gradient on some rank are skipped everywhere."""
         return self.engine.check_finite
 
-    def _torch(self, what: str) -> Follower:  # noqa: D401
+    def _torch(self, what: str) -> Follower:
         if self.follower is None:
             raise TypeError(f"{what} needs a torch.optim.Optimizer inside DistOpt; this one wraps "
                             f"{type(self.opt).__name__} (use step(params, grads) for array models)")

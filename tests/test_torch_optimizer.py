@@ -217,3 +217,11 @@ def test_h55_16_bit_parameters_in_every_strategy(example_id: str, dtype: str):
     results = run_case("sim", 2, cases.case_strategy_dtype, example_id, dtype)
     assert all(r.dtype == getattr(torch, dtype) for r in results)
     assert _identical(results)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("how", ["no_sync", "passes"])
+def test_h51_join_with_a_batchnorm_model_and_accumulation(how: str, world: int):
+    """Inside join() the buffers are broadcast (and shadowed) once per step, at its first forward."""
+    results = run_case("sim", world, cases.case_join_batchnorm_accumulating, [2] + [4] * (world - 1), how)
+    assert _identical(results, lambda r: r[0]) and _identical(results, lambda r: r[1])

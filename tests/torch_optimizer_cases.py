@@ -470,3 +470,24 @@ def case_strategy_dtype(rank: int, comm: Any, example_id: str, dtype: str) -> An
         (p.float() * (rank + 1)).sum().backward()
         opt.step()
     return p.detach().clone()
+
+
+def case_join_batchnorm_accumulating(rank: int, comm: Any, counts: list[int], how: str) -> tuple[Any, Any]:
+    """join() with a BatchNorm model and two micro-batches per step (no_sync or backward_passes_per_step)."""
+    model = make_model(batchnorm=True)
+    opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, model=model,
+                  backward_passes_per_step=2 if how == "passes" else 1)
+    with opt.join():
+        for s in range(counts[rank]):
+            x, y = data(s, comm.size)
+            x, y = mine(x, rank), mine(y, rank)
+            opt.zero_grad()
+            if how == "no_sync":
+                with opt.no_sync():
+                    loss_of(model, x[:2], y[:2]).div(2).backward()
+            else:
+                loss_of(model, x[:2], y[:2]).div(2).backward()
+            loss_of(model, x[2:], y[2:]).div(2).backward()
+            opt.step()
+    buffers = torch.cat([b.detach().double().reshape(-1) for b in model.buffers()])
+    return flat(model), buffers

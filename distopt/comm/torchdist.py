@@ -184,6 +184,8 @@ class TorchCommunicator(CommunicatorState):
 
             wait_until(work.is_completed, time.monotonic() + self.timeout, expired)
             work.wait()
+        except CollectiveTimeoutError:
+            raise  # our own deadline (a RuntimeError too): already says where and why
         except RuntimeError as exc:  # gloo: a peer closed its connection, or gloo's own timeout
             self._ctl.broken = what
             raise CollectiveTimeoutError(failure_message(

@@ -123,6 +123,13 @@ class Follower:
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
 
+    def join_phase(self) -> str:
+        """``"no"`` outside ``join()``; inside, ``"first"`` before the first backward of a step, ``"later"``
+        once a backward of it accumulated (``no_sync``, ``backward_passes_per_step``)."""
+        if not self.runner.joining:
+            return "no"
+        return "later" if self.passes else "first"
+
     def _owned(self) -> list[Any]:
         """The trainable tensors this follower averages: those no other live follower claimed first."""
         return [t for t in self.local.trainable() if claim(t, self)]

@@ -123,10 +123,13 @@ class ModelSync:
         named_parameters: Horovod's ``named_parameters=``: ``(name, tensor)``
             pairs naming every optimizer parameter; the names are compared
             across ranks.
-        joining: tells whether this rank is inside ``join()``: the buffer
-            broadcast then comes from the lowest rank still training (one
-            small all-reduce names it), and joined ranks shadow it
-            (:meth:`shadow_forward`), as DDP's join hook does.
+        joining: tells whether this rank is inside ``join()`` and at the
+            first training-mode forward of a step (not a later micro-batch
+            of an accumulated one): only then, inside ``join()``, are the
+            buffers broadcast, from the lowest rank still training (one small
+            all-reduce names it), and joined ranks shadow it once per step
+            (:meth:`shadow_forward`), as DDP's join hook does. Returns
+            ``"no"`` outside ``join()``, ``"first"`` or ``"later"`` inside.
 
     Raises:
         CollectiveMismatchError: on every rank, naming the first name (or
@@ -135,7 +138,7 @@ class ModelSync:
     """
 
     def __init__(self, comm: Communicator, engine: Engine, local: TorchOptimizer, model: Any,
-                 broadcast_buffers: bool, joining: Callable[[], bool] = lambda: False,
+                 broadcast_buffers: bool, joining: Callable[[], str] = lambda: "no",
                  named_parameters: Iterable[tuple[str, Any]] | None = None) -> None:
         self.comm, self.engine, self.local, self.model = comm, engine, local, model
         self.joining = joining
@@ -156,8 +159,11 @@ class ModelSync:
             engine.broadcast_params(outside, settings)
         if broadcast_buffers and any(True for _ in model.buffers()):
             def before_forward(module: Any, inputs: Any) -> None:  # noqa: ARG001
-                if module.training:
-                    self.sync_buffers("broadcast", min(self._active(True)) if self.joining() else 0)
+                where = self.joining()
+                if module.training and where == "no":
+                    self.sync_buffers("broadcast", 0)
+                elif module.training and where == "first":
+                    self.sync_buffers("broadcast", min(self._active(True)))
 
             local.handles.append(model.register_forward_pre_hook(before_forward))
             self.hooked = True

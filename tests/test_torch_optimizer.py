@@ -33,12 +33,15 @@ def _identical(results: list[Any], pick: Any = lambda r: r) -> bool:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("kind", cases.SCHEDULERS)
 def test_lr_schedulers_accept_it_and_match_one_process(kind: str, world: int):
-    results = run_case("sim", world, cases.case_scheduler, kind)
+    _check_scheduler(run_case("sim", world, cases.case_scheduler, kind), kind, world)
+
+
+def _check_scheduler(results: list[Any], kind: str, world: int) -> None:
     lrs, params = cases.reference_scheduler(kind, world)
     for is_optimizer, got_lrs, got in results:
         assert is_optimizer
-        assert got_lrs == lrs
-        assert _close(got, params)
+        assert got_lrs == lrs, kind
+        assert _close(got, params), kind
     assert _identical(results, lambda r: r[2])
 
 
@@ -62,7 +65,10 @@ def test_state_dict_is_torchs_layout_and_loads_both_ways(world: int):
 def test_h61_lbfgs_step_closure_equals_one_process(line_search: str | None, world: int):
     """Every closure evaluation's gradient and loss are averaged: the ranks evaluate the closure as often
     as one process on the full batch does, and land where it lands."""
-    results = run_case("sim", world, cases.case_lbfgs, line_search)
+    _check_lbfgs(run_case("sim", world, cases.case_lbfgs, line_search), line_search, world)
+
+
+def _check_lbfgs(results: list[Any], line_search: str | None, world: int) -> None:
     evals, params = cases.reference_lbfgs(line_search, world)
     assert [n for n, _ in results] == [evals] * world
     assert _identical(results, lambda r: r[1])
@@ -118,7 +124,10 @@ def test_horovod_and_ddp_idioms(world: int):
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_h48_activation_checkpointing(reentrant: bool, variant: str, world: int):
     """Every use of a checkpointed block is summed as in one process, and one step makes one reduction."""
-    results = run_case("sim", world, cases.case_checkpointing, reentrant, variant)
+    _check_checkpointing(run_case("sim", world, cases.case_checkpointing, reentrant, variant), variant, world)
+
+
+def _check_checkpointing(results: list[Any], variant: str, world: int) -> None:
     want = cases.reference_checkpointing(variant, world)
     n_params = sum(p.numel() for p in cases.make_model().parameters())
     for params, wire in results:
@@ -186,25 +195,33 @@ def test_every_item_on(backend: str, world: int, tmp_path):
     for r in results:
         for strategy, params in zip(("dense", "half", "half_bf16"), r["dtypes"]):
             assert all(_dtype_ok(p, w, strategy, world) for p, w in zip(params, want)), (backend, strategy)
-    lrs, params = cases.reference_scheduler("OneCycleLR", world)
-    assert all(r["scheduler"][1] == lrs and _close(r["scheduler"][2], params) for r in results)
+    for kind in cases.SCHEDULERS:
+        _check_scheduler([r["scheduler"][kind] for r in results], kind, world)
+    _check_surface([r["surface"] for r in results], world)
+    for how in ("no_sync", "passes"):
+        _check_identical_pair([r["join_accumulating"][how] for r in results])
     _check_state_dict([r["state_dict"] for r in results])
-    evals, params = cases.reference_lbfgs("strong_wolfe", world)
-    assert [r["lbfgs"][0] for r in results] == [evals] * world
-    assert _close(results[0]["lbfgs"][1], params, 1e-8)
+    for search in (None, "strong_wolfe"):
+        _check_lbfgs([r["lbfgs"][search] for r in results], search, world)
+    for (example_id, dtype) in results[0]["strategy_dtypes"]:
+        _check_strategy_dtype([r["strategy_dtypes"][example_id, dtype] for r in results], dtype)
     assert all("param_groups[0]['lr']" in r["lr_mismatch"] for r in results)
     assert [r["broadcast_state"] for r in results] == [(0.0125, 3)] * world
     _check_join([r["join"] for r in results], world)
     _check_horovod([r["horovod"] for r in results], world)
-    want = cases.reference_checkpointing("twice", world)
-    assert all(_close(r["checkpointing"][0], want) for r in results)
+    for reentrant, variant in results[0]["checkpointing"]:
+        _check_checkpointing([r["checkpointing"][reentrant, variant] for r in results], variant, world)
     assert [r["two"] for r in results] == [cases.expected_two_optimizers(world)] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_step_hooks_zero_grad_and_add_param_group(world: int):
+    _check_surface(run_case("sim", world, cases.case_optimizer_surface), world)
+
+
+def _check_surface(results: list[Any], world: int) -> None:
     mean = sum(r + 1.0 for r in range(world)) / world
-    for out in run_case("sim", world, cases.case_optimizer_surface):
+    for out in results:
         assert out["hooks"] == ["pre", "post"] and out["zeroed"] and out["none"]
         assert out["broadcast"].tolist() == [0.0, 0.0]
         assert out["extra"].tolist() == [-mean, -mean]
@@ -214,7 +231,10 @@ def test_step_hooks_zero_grad_and_add_param_group(world: int):
 @pytest.mark.parametrize("example_id", sorted(REGISTRY))
 def test_h55_16_bit_parameters_in_every_strategy(example_id: str, dtype: str):
     """Every registered strategy steps 16-bit PyTorch parameters: they keep their dtype, replicas agree."""
-    results = run_case("sim", 2, cases.case_strategy_dtype, example_id, dtype)
+    _check_strategy_dtype(run_case("sim", 2, cases.case_strategy_dtype, example_id, dtype), dtype)
+
+
+def _check_strategy_dtype(results: list[Any], dtype: str) -> None:
     assert all(r.dtype == getattr(torch, dtype) for r in results)
     assert _identical(results)
 
@@ -223,5 +243,9 @@ def test_h55_16_bit_parameters_in_every_strategy(example_id: str, dtype: str):
 @pytest.mark.parametrize("how", ["no_sync", "passes"])
 def test_h51_join_with_a_batchnorm_model_and_accumulation(how: str, world: int):
     """Inside join() the buffers are broadcast (and shadowed) once per step, at its first forward."""
-    results = run_case("sim", world, cases.case_join_batchnorm_accumulating, [2] + [4] * (world - 1), how)
+    _check_identical_pair(run_case("sim", world, cases.case_join_batchnorm_accumulating, [2] + [4] * (world - 1),
+                                   how))
+
+
+def _check_identical_pair(results: list[Any]) -> None:
     assert _identical(results, lambda r: r[0]) and _identical(results, lambda r: r[1])

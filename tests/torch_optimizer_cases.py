@@ -333,20 +333,32 @@ def expected_dtypes(world: int) -> list[Any]:
     return out
 
 
+def _registered() -> list[str]:
+    from distopt.strategies import REGISTRY
+
+    return sorted(REGISTRY)
+
+
 def case_every_item(rank: int, comm: Any, path: str) -> dict[str, Any]:
     """The items above in one job, for the real backends (one process start per backend and size)."""
     return {
         "save_load": case_save_load(rank, comm, path),
         "collective_errors": case_collective_errors(rank, comm),
         "dtypes": [case_dtypes(rank, comm, DTYPES, s)[0] for s in ("dense", "half", "half_bf16")],
-        "scheduler": case_scheduler(rank, comm, "OneCycleLR"),
+        "scheduler": {kind: case_scheduler(rank, comm, kind) for kind in SCHEDULERS},
+        "surface": case_optimizer_surface(rank, comm),
+        "join_accumulating": {how: case_join_batchnorm_accumulating(rank, comm, [2] + [4] * (comm.size - 1), how)
+                              for how in ("no_sync", "passes")},
         "state_dict": case_state_dict(rank, comm),
-        "lbfgs": case_lbfgs(rank, comm, "strong_wolfe"),
+        "lbfgs": {search: case_lbfgs(rank, comm, search) for search in (None, "strong_wolfe")},
+        "strategy_dtypes": {(e, d): case_strategy_dtype(rank, comm, e, d) for e in _registered()
+                            for d in ("bfloat16", "float16")},
         "lr_mismatch": case_lr_mismatch(rank, comm),
         "broadcast_state": case_broadcast_state(rank, comm),
         "join": case_join_batchnorm(rank, comm, [2] + [4] * (comm.size - 1)),
         "horovod": case_horovod_idioms(rank, comm),
-        "checkpointing": case_checkpointing(rank, comm, True, "twice"),
+        "checkpointing": {(reentrant, variant): case_checkpointing(rank, comm, reentrant, variant)
+                          for reentrant in (True, False) for variant in ("once", "twice", "passes", "no_sync")},
         "two": case_two_optimizers(rank, comm),
     }
 

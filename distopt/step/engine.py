@@ -103,7 +103,6 @@ class Engine:
                  divide_by_initial_world_size: bool = True) -> None:
         self.comm, self.buff_size, self.check_finite, self.counters = comm, buff_size, check_finite, counters
         self.divide_by_initial_world_size = divide_by_initial_world_size
-
         self.launch = Launcher(comm)
         self._specs: tuple[Any, ...] | None = None
         self._specs_digest: tuple[Any, int] = (None, 0)

@@ -132,7 +132,8 @@ class StepRunner:
             return
         self.counters.steps += 1
         if isinstance(strategy, ParameterAverager):
-            self._prepare(strategy)
+            if strategy is not self.active_strategy:  # the PyTorch route: no step header prepared it
+                self._prepare(strategy)
             floats = [p for p in params if is_float(p)]
             strategy.after_update(UpdateContext(floats, strategy.threshold(threshold), self.engine.comm,
                                                 self.counters, self.local.momentum_arrays,

@@ -58,7 +58,9 @@ def as_array(tensor: Any) -> Any:
         if tensor.is_cuda:
             raise TypeError("bfloat16 CUDA tensors cannot be viewed as CuPy arrays (CuPy has no bfloat16): keep "
                             "CUDA parameters in float32 or float16, or use torch.autocast(dtype=torch.bfloat16)")
-        return tensor.view(_int16()).numpy().view(_bfloat16())
+        import torch
+
+        return tensor.view(torch.int16).numpy().view(_bfloat16())
     if tensor.is_cuda:
         import cupy
 
@@ -75,12 +77,6 @@ def as_tensor(array: Any) -> Any:
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
-
-
-def _int16() -> Any:
-    import torch
-
-    return torch.int16
 
 
 def _bfloat16() -> Any:

@@ -58,6 +58,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
@@ -339,7 +341,6 @@ class Follower:
         return self.local.optimizer.step(averaged)
 
     def _average_loss(self, loss: Any) -> Any:
-        import numpy as np
         import torch
 
         value = np.array([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=np.float64)

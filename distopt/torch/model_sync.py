@@ -123,7 +123,7 @@ class ModelSync:
         named_parameters: Horovod's ``named_parameters=``: ``(name, tensor)``
             pairs naming every optimizer parameter; the names are compared
             across ranks.
-        joining: tells whether this rank is inside ``join()`` and at the
+        join_phase: tells whether this rank is inside ``join()`` and at the
             first training-mode forward of a step (not a later micro-batch
             of an accumulated one): only then, inside ``join()``, are the
             buffers broadcast, from the lowest rank still training (one small
@@ -138,10 +138,10 @@ class ModelSync:
     """
 
     def __init__(self, comm: Communicator, engine: Engine, local: TorchOptimizer, model: Any,
-                 broadcast_buffers: bool, joining: Callable[[], str] = lambda: "no",
+                 broadcast_buffers: bool, join_phase: Callable[[], str] = lambda: "no",
                  named_parameters: Iterable[tuple[str, Any]] | None = None) -> None:
         self.comm, self.engine, self.local, self.model = comm, engine, local, model
-        self.joining = joining
+        self.join_phase = join_phase
         self.hooked = False  # buffers are broadcast before each training-mode forward
         settings = {"world_size": comm.size}
         if named_parameters is not None:
@@ -159,7 +159,7 @@ class ModelSync:
             engine.broadcast_params(outside, settings)
         if broadcast_buffers and any(True for _ in model.buffers()):
             def before_forward(module: Any, inputs: Any) -> None:  # noqa: ARG001
-                where = self.joining()
+                where = self.join_phase()
                 if module.training and where == "no":
                     self.sync_buffers("broadcast", 0)
                 elif module.training and where == "first":

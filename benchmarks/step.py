@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import _common
+import _zero
 import numpy as np
 
 RESNET50_PARAMS = 25_557_032
@@ -151,6 +152,11 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "topk01": ("DistOpt.step_sparse topK 0.1%", "dist"),
     "thresh": (f"DistOpt.step_sparse |g|>={THRESHOLD_1PCT}", "dist"),
     "partial": ("DistOpt.step_partial", "dist"),
+    "zero1": ("DistOpt.step zero=1 (SGD)", "dist"),
+    "zero2": ("DistOpt.step zero=2 (SGD)", "dist"),
+    "step_adam": ("DistOpt.step (NumPy Adam)", "dist"),
+    "zero1_adam": ("DistOpt.step zero=1 (NumPy Adam)", "dist"),
+    "zero_torch": ("torch ZeroRedundancyOptimizer (SGD, gloo)", "base"),
 }
 
 
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     variants: list[Variant] = []
     extra: dict[str, int] = {}  # bytes a DistOpt variant holds after its warm-up (tracemalloc)
+    memory: dict[str, dict[str, int]] = {}  # optimizer state and gradient bytes per rank after the warm-ups
     dist = None
     for key in keys:
         if key == "raw":
@@ -266,12 +273,25 @@ def main(argv: list[str] | None = None) -> int:
                 dist = None
                 continue
             variants.append(Variant(key, ddp_bucketed(torch, dist, grads, args.bucket_mib, n)))
+        elif key == "zero_torch":
+            if dist is None or torch is None:
+                skipped[key] = "needs the ddp variant (gloo) in the same run"
+                continue
+            step_fn, state_fn = _zero.zero_torch(torch, dist, params, grads, args.lr, args.bucket_mib, n, ddp_bucketed)
+            variants.append(Variant(key, step_fn))
+            for _ in range(max(args.warmup, 1)):
+                variants[-1].run()
+            memory[key] = {"optimizer_state_bytes": state_fn()}
         else:
             # only ``step`` updates (SGD, momentum, weight decay); the others time the strategy's path alone
-            local = distopt.SGD(lr=args.lr, momentum=0.9, weight_decay=1e-4) if key == "step" else NoOpUpdate()
+            if key in ("step", "zero1", "zero2"):
+                local: Any = distopt.SGD(lr=args.lr, momentum=0.9, weight_decay=1e-4)
+            else:
+                local = _zero.NumpyAdam(lr=1e-4) if key in ("step_adam", "zero1_adam") else NoOpUpdate()
             tracemalloc.start()
             traced_before = tracemalloc.get_traced_memory()[0]
-            opt = distopt.DistOpt(local, backend="mpi")
+            zero = {"zero1": 1, "zero2": 2, "zero1_adam": 1}.get(key, 0)
+            opt = distopt.DistOpt(local, backend="mpi", zero=zero)
             call: Callable[[], Any] = {
                 "step": lambda opt=opt: opt.step(params, grads),
                 "step_noop": lambda opt=opt: opt.step(params, grads),
@@ -281,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                 "topk01": lambda opt=opt: opt.step_sparse(params, grads, spars=0.001, topK=True),
                 "thresh": lambda opt=opt: opt.step_sparse(params, grads, spars=THRESHOLD_1PCT, topK=False),
                 "partial": lambda opt=opt: opt.step_partial(params, grads),
+                "zero1": lambda opt=opt: opt.step(params, grads),
+                "zero2": lambda opt=opt: opt.step(params, grads),
+                "step_adam": lambda opt=opt: opt.step(params, grads),
+                "zero1_adam": lambda opt=opt: opt.step(params, grads),
             }[key]
 
             def prepare(opt: Any = opt) -> None:
@@ -291,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             variants.append(Variant(key, call, prepare=prepare, stats=opt.stats, close=opt.close))
             for _ in range(max(args.warmup, 1)):  # what the variant holds after its first steps
                 variants[-1].run()
-            if key != "step":  # the optimizer's own state (momentum) is not DistOpt's extra memory
-                extra[key] = tracemalloc.get_traced_memory()[0] - traced_before
+            if key not in ("step", "zero1", "zero2", "step_adam", "zero1_adam"):  # the optimizer's own state
+                extra[key] = tracemalloc.get_traced_memory()[0] - traced_before  # is not DistOpt's extra memory
             tracemalloc.stop()
+            memory[key] = {k: int(opt.stats[k]) for k in ("optimizer_state_bytes", "gradient_bytes")}
 
     # warm-ups, then the timed iterations interleaved (iteration i of every variant, then i + 1, ...)
     # so that a burst of load from other processes hits every variant alike
@@ -322,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rec["wire_MB"] = rec["dense_MB"] = total * 4 / 1e6 if v.key != "update" else 0.0
             rec["wire_ratio"] = 1.0 if v.key != "update" else 0.0
+        for name, value in memory.get(v.key, {}).items():
+            rec[name] = world.allreduce(value, op=MPI.MAX)  # the largest rank's
+        if "gradient_bytes" in rec:
+            rec["gradient_per_grad"] = rec["gradient_bytes"] / (total * 4)
+        if d_gather := (d.get("gather_bytes", 0) if v.stats is not None else 0):
+            rec["gather_MB"] = d_gather / steps / 1e6
         if v.key in extra:
             rec["extra_MB"] = world.allreduce(extra[v.key], op=MPI.MAX) / 1e6
             rec["extra_per_grad"] = rec["extra_MB"] * 1e6 / (total * 4)
@@ -429,7 +460,19 @@ def _targets(results: dict[str, dict[str, Any]], fastest: float | None) -> dict[
             "top-K 1% / dense step": (ratio("topk1", dense), 1.0),
             "top-K 0.1% / dense step": (ratio("topk01", dense), 0.8),
             "control collectives per dense step": (results.get("step_noop", {}).get("control_per_step"), 1.0),
-            "dense extra memory / gradient bytes": (results.get("step_noop", {}).get("extra_per_grad"), 1.0)}
+            "dense extra memory / gradient bytes": (results.get("step_noop", {}).get("extra_per_grad"), 1.0),
+            "zero=1 SGD step / dense SGD step": (ratio("zero1", t.get("step")), 0.75),
+            "zero=1 Adam step / dense Adam step": (ratio("zero1_adam", t.get("step_adam")), 0.70),
+            "zero=1 SGD step / torch ZeroRedundancyOptimizer": (ratio("zero1", t.get("zero_torch")), 0.5),
+            "zero=1 optimizer state / dense's": (_mem(results, "zero1", "step", "optimizer_state_bytes"), 0.5),
+            # array models keep their own gradient arrays; what zero=2 holds beyond them, per gradient byte:
+            "zero=2 distopt gradient memory / gradient bytes": (results.get("zero2", {}).get("gradient_per_grad"), 0.5)}
+
+
+def _mem(results: dict[str, dict[str, Any]], a: str, b: str, name: str) -> float | None:
+    """``results[a][name] / results[b][name]``, None where either is missing or 0."""
+    x, y = results.get(a, {}).get(name), results.get(b, {}).get(name)
+    return x / y if x is not None and y else None
 
 
 def ddp_bucketed(torch: Any, dist: Any, grads: list[np.ndarray], bucket_mib: float, world_size: int

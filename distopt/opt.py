@@ -23,12 +23,14 @@ from .step.local import ArrayOptimizer
 from .step.runner import JoinResult, StepRunner
 from .step.state import StepState
 from .step.strategy_set import StrategySet
+from .step.zero import check_sharding
 from .strategies import Dense, Strategy
 from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
 from .torch.bucket_views import check_bucket_view
 from .torch.follower import Follower
 from .torch.model_sync import ModelSync
 from .torch.optimizer import optimizer_class
+from .torch.zero_state import attach as attach_zero
 
 __all__ = ["DistOpt"]
 
@@ -78,6 +80,14 @@ class DistOpt:
         named_parameters: Horovod's: ``model.named_parameters()``, naming every
             optimizer parameter (compared across ranks; ValueError for a
             duplicate or missing name).
+        zero: shard the optimizer (ZeRO, ``docs/sharding.md``): 0 none; 1
+            reduce-scatters each bucket so every rank updates (and keeps
+            optimizer state for) 1/W of it, then all-gathers the
+            parameters; 2 also keeps only this rank's gradient segments.
+            Dense or Half; an elementwise optimizer.
+        overlap_param_gather: with ``zero`` and ``model``, leave each
+            bucket's parameter all-gather in flight until the next forward
+            reaches its parameters.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
@@ -95,7 +105,9 @@ class DistOpt:
         TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
         ValueError: ``buffSize < 1``, inconsistent rank arguments, or
             ``gradient_as_bucket_view=True`` with an array optimizer or a
-            strategy that averages parameters (partial).
+            strategy that averages parameters (partial); ``zero`` not in
+            (0, 1, 2), with another strategy or an optimizer that is not
+            elementwise.
     """
 
     def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003
@@ -109,7 +121,7 @@ class DistOpt:
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
                  sparse_as_dense: bool = False, world: World | None = None,
                  gradient_as_bucket_view: bool = False, divide_by_initial_world_size: bool = True,
-                 named_parameters: Any = None) -> None:
+                 named_parameters: Any = None, zero: int = 0, overlap_param_gather: bool = False) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -127,8 +139,9 @@ class DistOpt:
                                                                   comm, world)
         self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
+        zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None, overlap_param_gather)
         self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters,
-                             bool(divide_by_initial_world_size))
+                             bool(divide_by_initial_world_size), zero)
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
         self._state = StepState(local, self._counters, strategies)
@@ -144,6 +157,9 @@ class DistOpt:
             follower = self.follower
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
                                         lambda: follower.join_phase(), named_parameters)
+            if zero:
+                attach_zero(self._runner, local, follower, self._state, zero, overlap_param_gather, model,
+                            gradient_as_bucket_view)
 
     @property
     def local_rank(self) -> int:
@@ -358,9 +374,10 @@ class DistOpt:
         """Average all (float) parameters across ranks at once, in place (``params`` optional with PyTorch)."""
         self._collectives.average_params(params)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue (see :class:`~distopt.step.state.StepState`)."""
-        return self._state.state_dict(self.sampler)
+    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
+        """Everything needed to continue (see :class:`~distopt.step.state.StepState`); with ``zero=1|2``
+        consolidated on every rank (collective), or only this rank's shard with ``sharded=True``."""
+        return self._state.state_dict(self.sampler, sharded)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError for another format (an older distopt)."""

@@ -133,6 +133,10 @@ class SGD:
             return None
         return self._buffers[entry[1]]
 
+    def state_bytes(self) -> int:
+        """BYTES held in momentum buffers."""
+        return sum(int(b.nbytes) for b in self._buffers if b is not None)
+
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters and momentum buffers (copies), in order of first update."""
         return {

@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dgc: steps per warm-up stage (sparsity 75%%, 93.75%%, 98.4%%, 99.6%%; default 100)")
     p.add_argument("--dgc-clip-norm", type=float, default=None,
                    help="dgc: global gradient-norm bound, clipped locally at bound/sqrt(W) (default: no clipping)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                   help="shard the optimizer (ZeRO stage 1 or 2; plain and half only; default 0: no sharding)")
     p.add_argument("--powersgd-rank", type=int, default=2, help="powerSGD: approximation rank r (default 2)")
     p.add_argument("--powersgd-start-step", type=int, default=100,
                    help="powerSGD: dense steps before compression starts (default 100)")
@@ -163,7 +165,8 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
                           weight_decay=1e-5)
     strategy = STRATEGIES.get(args.dist_option)
     # broadcasts rank 0's parameters
-    opt = make_opt(sgd) if strategy is None else make_opt(sgd, strategy=strategy(args))
+    sharding = {"zero": args.zero} if args.zero else {}
+    opt = make_opt(sgd, **sharding) if strategy is None else make_opt(sgd, strategy=strategy(args), **sharding)
     rank, world = opt.global_rank, opt.world_size
     torch.set_num_threads(args.threads or default_threads(opt))
     update = UPDATES[args.dist_option]

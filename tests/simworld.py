@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distopt.comm.base import check_reduce_args
+from distopt.comm.base import check_counts, check_reduce_args, check_rows
 from distopt.comm.control import reduce_inline
 from distopt.comm.lifecycle import Completed
 from distopt.errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -101,6 +101,39 @@ class SimCommunicator:
 
     def all_gather_v(self, array: Any) -> list[Any]:
         return self._exchange("all_gather_v", array, check_count=False)
+
+    def _counts(self, array: Any, counts: Any) -> list[int]:
+        return check_counts(array, counts, self.size)
+
+    def reduce_scatter(self, array: Any, counts: Any = None, op: str = "sum", kind: str = "reduce_scatter") -> Any:
+        check_reduce_args(array, op)
+        counts = self._counts(array, counts)
+        parts = self._exchange(kind, array, (op, tuple(counts)))
+        lo = sum(counts[:self.rank])
+        mine = [p[lo:lo + counts[self.rank]] for p in parts]
+        out = np.empty_like(mine[0])
+        reduce_inline(mine, op, out)
+        return out
+
+    def reduce_scatter_async(self, array: Any, counts: Any = None, op: str = "sum") -> Completed:
+        return Completed(self.reduce_scatter(array, counts, op, kind="reduce_scatter_async"))
+
+    def all_gather_into(self, array: Any, counts: Any = None, kind: str = "all_gather_into") -> Any:
+        counts = self._counts(array, counts)
+        parts = self._exchange(kind, array, tuple(counts))
+        lo = 0
+        for r, c in enumerate(counts):
+            array[lo:lo + c] = parts[r][lo:lo + c]
+            lo += c
+        return array
+
+    def all_gather_into_async(self, array: Any, counts: Any = None) -> Completed:
+        return Completed(self.all_gather_into(array, counts, kind="all_gather_into_async"))
+
+    def all_to_all(self, array: Any) -> Any:
+        check_rows(array, self.size)
+        parts = self._exchange("all_to_all", array)
+        return np.stack([p[self.rank] for p in parts])
 
     def barrier(self) -> None:
         self._exchange("barrier", np.zeros(0))

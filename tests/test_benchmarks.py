@@ -150,3 +150,33 @@ def test_plot_train_table_and_png(tmp_path):
     assert rows == ["| plain | 1.0000 | 1.5000 | 0.9000 | +0.00 | 0.9000 |",
                     "| DGC 99.9 % | 0.0020 | 0.0030 | 0.8850 | -1.50 | 0.8850 |"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _can_make_netns() -> bool:
+    import shutil
+
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "unshare"))):
+        return False
+    name = f"dnsimprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return ok
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="netsim.py's workers need torch")
+@pytest.mark.skipif(not _can_make_netns(), reason="netsim.py needs root and network namespaces (ip, tc, unshare)")
+def test_netsim_gpt_smoke(tmp_path):
+    """The smallest GPT run over a simulated 2-node link (the step workload and the teardown: test_netsim.py)."""
+    out = tmp_path / "netsim.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, str(BENCH / "netsim.py"), "--workload", "gpt", "--layers", "1",
+                          "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab", "128", "--warmup", "1",
+                          "--iters", "2", "--no-probe", "--timeout", "150", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    data = _load(out, "netsim")
+    assert data["workload"] == "gpt" and data["link"]["nodes"] == 2
+    assert set(data["results"]) == {"ddp", "dense", "half", "topk1", "dgc", "powersgd"}
+    for key, rec in data["results"].items():
+        assert rec["time_ms"] > 0 and rec["final_loss"] > 0 and rec["wire_bytes"] > 0, key
+    assert data["results"]["dense"]["final_loss"] == pytest.approx(data["results"]["ddp"]["final_loss"], rel=1e-3)

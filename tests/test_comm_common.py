@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from distopt.comm import create
+from distopt.comm.base import check_counts, split_counts
 from distopt.comm.shm import ShmCommunicator
 from distopt.comm.wait import Backoff, resolve_timeout, wait_until
 from distopt.errors import BackendUnavailableError, CollectiveTimeoutError, CommunicatorClosedError
 from distopt.launch.logs import setup_logging
 from distopt.launch.nccl_id import NcclIdHolder
+from tests import conformance
 
 
 @pytest.mark.parametrize("raw", ["-5", "0", "abc", "inf", "nan", ""])
@@ -62,7 +64,9 @@ def test_h39_closed_single_and_shm_raise_naming_the_communicator():
         comm.close()  # idempotent
         assert comm.closed
         for call in (lambda: comm.all_reduce(np.ones(2)), lambda: comm.broadcast(np.ones(2)), comm.barrier,
-                     lambda: comm.all_gather(np.ones(2)), lambda: comm.all_gather_v(np.ones(2))):
+                     lambda: comm.all_gather(np.ones(2)), lambda: comm.all_gather_v(np.ones(2)),
+                     lambda: comm.reduce_scatter(np.ones(2)), lambda: comm.all_gather_into(np.ones(2)),
+                     lambda: comm.all_to_all(np.ones((1, 2)))):
             with pytest.raises(CommunicatorClosedError, match=f"on the closed {comm.name} communicator .rank 0 of 1."):
                 call()
 
@@ -119,3 +123,37 @@ def test_setup_logging_prefixes_rank_info_on_rank_0_only(monkeypatch, env, rank,
     lines = stream.getvalue().splitlines()
     expected = [f"[rank {rank}] INFO distopt: hello"] if shown else []
     assert lines == expected + [f"[rank {rank}] WARNING distopt: careful"], lines
+
+
+@pytest.mark.parametrize("n, size, expected", [(10, 4, [3, 3, 2, 2]), (0, 3, [0, 0, 0]), (2, 3, [1, 1, 0]),
+                                               (8, 1, [8]), (9, 3, [3, 3, 3])])
+def test_split_counts(n, size, expected):
+    assert split_counts(n, size) == expected
+    assert check_counts(np.zeros(n), None, size) == expected
+
+
+@pytest.mark.parametrize("n, size, name", [(-1, 2, "n"), (3, 0, "size"), (2.5, 2, "n"), (True, 2, "n")])
+def test_split_counts_rejects_bad_input(n, size, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be an int"):
+        split_counts(n, size)
+
+
+@pytest.mark.parametrize("check", conformance.SHARD_CHECKS, ids=lambda f: f.__name__)
+def test_single_sharded_collectives(check):
+    """The single communicator validates the sharded collectives' arguments as every backend does."""
+    with create("single") as comm:
+        check(comm)
+
+
+def test_single_sharded_collectives_on_torch_tensors():
+    torch = pytest.importorskip("torch")
+    comm = create("single")
+    t = torch.arange(4.0)
+    got = comm.reduce_scatter(t, op="avg")
+    assert isinstance(got, torch.Tensor) and got.tolist() == [0, 1, 2, 3] and got is not t
+    assert comm.all_gather_into(t, [4]) is t
+    with pytest.raises(ValueError, match="counts must sum"):
+        comm.reduce_scatter(t, [3])
+    with pytest.raises(ValueError, match="array must be 1-D"):
+        comm.all_gather_into(t.reshape(2, 2))
+    assert comm.all_to_all(t.reshape(1, 4)).tolist() == [[0, 1, 2, 3]]

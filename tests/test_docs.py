@@ -533,6 +533,32 @@ def check_docs_build(block: Block, tmp_path: Path, site=None) -> None:
     assert (site / "index.html").is_file()
 
 
+def check_netsim_runs(block: Block, tmp_path: Path) -> None:
+    """The simulated-link commands parse with benchmarks/netsim.py's own parser (runs: tests/test_netsim.py)."""
+    runs = _script_args(block, "benchmarks/netsim.py")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT / 'examples')!r}]
+        import netsim
+        for argv in {runs!r}:
+            args = netsim.parse_args(argv)
+            if args.rest:
+                import cnn_mpi
+                cnn_mpi.parse_args(args.rest)
+    """)
+    res = _python(["-c", code], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def check_mpich_tcp(block: Block, tmp_path: Path) -> None:
+    """mpiexec over the hostfile of launch.md, UCX held to TCP on one interface; cnn_mpi's flags parse."""
+    (argv,) = _commands(block)
+    assert argv[0] == "mpiexec" and argv[argv.index("-f") + 1] == "hosts", argv
+    genv = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+    assert genv.get("UCX_TLS") == "tcp,self" and "UCX_NET_DEVICES" in genv, genv
+    _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
+
+
 CHECKS = {
     "install": check_install,
     "first-cpu-run": check_first_cpu_run,
@@ -544,6 +570,9 @@ CHECKS = {
     "distopt-launch": check_distopt_launch,
     "torchrun": check_torchrun,
     "torchrun-nodes": check_torchrun,
+    "torchrun-two-hosts": check_torchrun,
+    "mpich-tcp": check_mpich_tcp,
+    "netsim-runs": check_netsim_runs,
     "strategy-runs": check_strategy_runs,
     "train-runs": check_train_runs,
     "docs-build": check_docs_build,

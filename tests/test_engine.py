@@ -394,7 +394,8 @@ def test_steady_state_steps_never_wait_on_the_device_with_a_host_control_plane(k
     with_plane = run_world(2, lambda rank, comm: rank_fn(rank, comm, control(rank)))
     without = run_world(2, lambda rank, comm: rank_fn(rank, comm, None))
     assert [syncs for syncs, _ in with_plane] == [0, 0]
-    assert all(syncs >= 2 * 4 for syncs, _ in without)  # the header and the flags, every step
+    # the header every step (host arrays: the flags are settled from the reduced gradients, no all-reduce)
+    assert all(syncs >= 4 for syncs, _ in without)
     assert all(np.array_equal(a, b) for a, b in zip(with_plane[0][1], without[0][1]))
 
 

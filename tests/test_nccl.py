@@ -140,3 +140,24 @@ def test_host_wait_bounded_and_aborts(comm):  # noqa: ARG001 (fixture: skips wit
     with pytest.raises(CollectiveTimeoutError, match="aborted"):
         c.barrier()
     c.close()  # idempotent after the abort
+
+
+def test_sharded_collectives_at_world_size_1(comm):
+    """reduce_scatter(_async), all_gather_into(_async), all_to_all on CuPy and (staged) NumPy arrays, and
+    the shared argument checks; the conformance suite's sharded checks at world size 1."""
+    from tests import conformance
+
+    a = cupy.arange(7, dtype=cupy.float32)
+    got = comm.reduce_scatter(a, op="avg")
+    assert isinstance(got, cupy.ndarray) and got is not a
+    np.testing.assert_array_equal(got.get(), np.arange(7))
+    np.testing.assert_array_equal(comm.reduce_scatter_async(a, [7], op="max").wait().get(), np.arange(7))
+    assert comm.all_gather_into(a) is a and comm.all_gather_into_async(a, [7]).wait() is a
+    rows = comm.all_to_all(cupy.arange(6, dtype=cupy.int64).reshape(1, 2, 3))
+    np.testing.assert_array_equal(rows.get(), np.arange(6).reshape(1, 2, 3))
+    with pytest.raises(ValueError, match="counts must sum"):
+        comm.reduce_scatter(a, [6])
+    with pytest.raises(ValueError, match="shape .size=1"):
+        comm.all_to_all(cupy.ones((2, 2)))
+    for check in conformance.SHARD_CHECKS:  # NumPy arrays, staged through the device
+        check(comm)

@@ -11,7 +11,8 @@ from distopt.comm.shm import ShmCommunicator, unlink_segments
 from distopt.errors import CollectiveTimeoutError
 from distopt.launch import spawn
 from distopt.launch.nccl_id import NcclIdHolder
-from tests import shm_workers
+from tests import conformance, shm_workers
+from tests.backends import run_case
 from tests.shm_workers import job_segments
 
 
@@ -21,6 +22,13 @@ def test_conformance(nprocs):
     holder = NcclIdHolder()
     spawn(shm_workers.conformance_worker, nprocs, nccl_id=holder, timeout=50)
     assert job_segments(holder.job_id) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_sharded_collectives(nprocs):
+    """reduce_scatter, all_gather_into and all_to_all (tests/conformance.py's SHARD_CHECKS)."""
+    assert run_case("shm", nprocs, conformance.shard_case, timeout=100) == [len(conformance.SHARD_CHECKS)] * nprocs
 
 
 def test_registry_and_local_checks():

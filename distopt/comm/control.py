@@ -33,7 +33,8 @@ __all__ = ["KINDS", "HEAD_BYTES", "MAX_INLINE_BYTES", "inline_bytes", "block_byt
            "dtype_code", "same", "check", "reduce_inline", "ControlBlock", "new_buffers", "DIFFERENT_CALLS", "DIFFERENT_COUNTS"]
 
 #: Collective kinds, by code.
-KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier")
+KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier", "reduce_scatter", "all_gather_into",
+         "all_to_all")
 
 #: Bytes of the descriptor at the start of a control block (four int64).
 HEAD_BYTES = 32

@@ -16,7 +16,9 @@ each one is in (:mod:`~distopt.comm.mpi_where`).
 float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
 (``MPI.UINT16_T``, 2 bytes per element on the wire) and are summed by a
 reduce-scatter, a float32 sum rounded once, and an all-gather
-(:mod:`~distopt.comm.mpi_half`).
+(:mod:`~distopt.comm.mpi_half`). The sharded collectives (reduce-scatter,
+in-place all-gather, all-to-all, with ``_async`` forms) are in
+:mod:`~distopt.comm.mpi_shards`.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from .control import dtype_code as _dtype_code
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, timeout_message, where
 from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
+from .mpi_shards import MpiShards
 from .mpi_where import WhereChannel
 from .staging import staged, staged_async
 from .wait import Backoff, resolve_timeout, wait_until
@@ -131,7 +134,7 @@ class MpiHandle:
         return self._array
 
 
-class MPICommunicator(CommunicatorState):
+class MPICommunicator(MpiShards, CommunicatorState):
     """Collectives over an MPI communicator (CPU NumPy arrays).
 
     Args:
@@ -150,6 +153,7 @@ class MPICommunicator(CommunicatorState):
     """
 
     name = "mpi"
+    _mpi_op = staticmethod(_reduce_op)  # for MpiShards
 
     def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
         self.timeout = resolve_timeout(timeout)

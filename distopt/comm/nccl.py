@@ -8,6 +8,12 @@ current stream then waits for the collective, so later kernels see the
 result. No host synchronisation happens except where a count must reach
 the host (``all_gather_v``).
 
+Sharded collectives: ``reduce_scatter`` is ``ncclReduceScatter`` into a new
+array, ``all_gather_into`` an in-place ``ncclAllGather``, ``all_to_all``
+grouped ``ncclSend``/``ncclRecv``; with unequal counts each segment is padded
+to ``max(counts)`` in a zeroed ``(size, max(counts))`` copy (the gather copies
+back). Their ``_async`` forms return completed handles (stream-ordered).
+
 Unlike the MPI backend, calls are not pre-checked for matching counts and
 dtypes across ranks (that would cost a host round trip per call); DistOpt
 checks its bucket layout across ranks once per layout instead. NCCL refuses
@@ -16,6 +22,7 @@ two ranks on one GPU ("Duplicate GPU detected").
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +35,7 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
 
 from ..errors import CollectiveTimeoutError, DistOptError
 from ..launch.devices import device_index
-from .base import check_reduce_args
+from .base import check_counts, check_reduce_args, check_rows
 from .lifecycle import CommunicatorState, Completed, collective
 from .messages import STALLED, failure_message, timeout_message, where
 from .wait import Backoff, resolve_timeout, wait_until
@@ -52,6 +59,11 @@ _TYPES = {
     np.dtype(np.bool_): nccl.NCCL_UINT8,  # reduced with MAX (OR) / MIN (AND)
 }
 _OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    """Element offset of each rank's segment."""
+    return [sum(counts[:r]) for r in range(len(counts))]
 
 
 def new_unique_id() -> tuple[int, ...]:
@@ -189,6 +201,23 @@ class NcclCommunicator(CommunicatorState):
             raise TypeError(f"dtype {array.dtype} is not supported by the NCCL backend")
         return _TYPES[array.dtype]
 
+    @staticmethod
+    def _op(array: Any, op: str) -> int:
+        """The NCCL reduction of ``op`` on ``array``'s dtype (bool: MAX for OR, MIN for AND)."""
+        return {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]
+
+    def _host_call(self, name: str, array: np.ndarray, *args: Any) -> Any:
+        """A sharded collective on a NumPy array: by the control communicator, else staged through the
+        device (one host wait); the result on the host (``all_gather_into``: written into ``array``)."""
+        if self.control is not None:
+            return getattr(self.control, name)(array, *args)
+        staged = getattr(self, name)(cupy.asarray(array), *args)
+        self._host_wait(f"{name} of {array.size} host elements")
+        if name == "all_gather_into":
+            array[...] = staged.get()
+            return array
+        return staged.get()
+
     @collective
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
@@ -205,7 +234,7 @@ class NcclCommunicator(CommunicatorState):
             return array
         check_reduce_args(array, op)
         dtype = self._check(array)
-        nccl_op = {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]
+        nccl_op = self._op(array, op)
         if array.size:
             self._run(lambda s: self._comm.allReduce(array.data.ptr, array.data.ptr, array.size, dtype, nccl_op, s))
         if op == "avg":
@@ -266,6 +295,86 @@ class NcclCommunicator(CommunicatorState):
         padded[:array.size] = array
         gathered = self.all_gather(padded)
         return [gathered[r, :int(c)] for r, c in enumerate(counts)]
+
+    @collective
+    def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
+        """Reduce-scatter on the comm stream into a new array of ``counts[rank]`` elements; ``array`` is
+        left unchanged. See :meth:`distopt.comm.base.Communicator.reduce_scatter` (no cross-rank
+        agreement check, see the module docs) and, for unequal counts, the padding above."""
+        check_reduce_args(array, op)
+        counts = check_counts(array, counts, self.size)
+        if isinstance(array, np.ndarray):
+            return self._host_call("reduce_scatter", array, counts, op)
+        dtype, nccl_op = self._check(array), self._op(array, op)
+        width = max(counts)
+        out = cupy.empty(width, dtype=array.dtype)
+        src = array
+        if min(counts) != width:
+            src = cupy.zeros((self.size, width), dtype=array.dtype)
+            for r, (start, c) in enumerate(zip(_starts(counts), counts)):
+                src[r, :c] = array[start:start + c]
+        if width:
+            self._run(lambda s: self._comm.reduceScatter(src.data.ptr, out.data.ptr, width, dtype, nccl_op, s))
+        out = out[:counts[self.rank]]
+        if op == "avg":
+            out /= self.size
+        return out
+
+    @collective
+    def reduce_scatter_async(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Completed:
+        """:meth:`reduce_scatter`, already ordered on the caller's stream: a completed handle."""
+        return Completed(self.reduce_scatter(array, counts, op))
+
+    @collective
+    def all_gather_into(self, array: Any, counts: Sequence[int] | None = None) -> Any:
+        """In-place all-gather of per-rank segments on the comm stream; returns ``array``. See
+        :meth:`distopt.comm.base.Communicator.all_gather_into` and, for unequal counts, the padding above."""
+        counts = check_counts(array, counts, self.size)
+        if isinstance(array, np.ndarray):
+            return self._host_call("all_gather_into", array, counts)
+        dtype, width = self._check(array), max(counts)
+        starts, mine = _starts(counts), counts[self.rank]
+        if not width:
+            return array
+        if min(counts) == width:  # NCCL's in-place form: the send buffer is this rank's slot of the output
+            send = array.data.ptr + starts[self.rank] * array.itemsize
+            self._run(lambda s: self._comm.allGather(send, array.data.ptr, width, dtype, s))
+            return array
+        src = cupy.zeros(width, dtype=array.dtype)
+        src[:mine] = array[starts[self.rank]:starts[self.rank] + mine]
+        out = cupy.empty((self.size, width), dtype=array.dtype)
+        self._run(lambda s: self._comm.allGather(src.data.ptr, out.data.ptr, width, dtype, s))
+        for r, (start, c) in enumerate(zip(starts, counts)):
+            array[start:start + c] = out[r, :c]
+        return array
+
+    @collective
+    def all_gather_into_async(self, array: Any, counts: Sequence[int] | None = None) -> Completed:
+        """:meth:`all_gather_into`, already ordered on the caller's stream: a completed handle."""
+        return Completed(self.all_gather_into(array, counts))
+
+    @collective
+    def all_to_all(self, array: Any) -> Any:
+        """Row j of ``array`` to rank j by grouped send/receive on the comm stream; a new array of
+        ``array``'s shape (NumPy in, NumPy out). See :meth:`distopt.comm.base.Communicator.all_to_all`."""
+        check_rows(array, self.size)
+        if isinstance(array, np.ndarray):
+            return self._host_call("all_to_all", array)
+        dtype = self._check(array)
+        out = cupy.empty_like(array)
+        k = array.size // self.size
+
+        def exchange(stream: int) -> None:
+            nccl.groupStart()
+            for p in range(self.size):
+                offset = p * k * array.itemsize
+                self._comm.send(array.data.ptr + offset, k, dtype, p, stream)
+                self._comm.recv(out.data.ptr + offset, k, dtype, p, stream)
+            nccl.groupEnd()
+
+        if k:
+            self._run(exchange)
+        return out
 
     @collective
     def barrier(self) -> None:

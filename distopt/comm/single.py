@@ -2,16 +2,18 @@
 
 What a plain ``python train.py`` (no launcher) gets: world size 1, no MPI,
 no shared memory, no network. Arguments are validated as by the other
-backends (op and dtype rules, 1-D input of ``all_gather_v``, ``root``), so a
+backends (op and dtype rules, 1-D input of ``all_gather_v``, ``root``, the
+``counts`` of the sharded collectives), so a
 script that is wrong at world size N is wrong here too. Works on any array
 type (NumPy, CuPy, torch tensors): nothing moves.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..launch.ranks import describe
-from .base import check_reduce_args
+from .base import check_counts, check_reduce_args, check_rows
 from .lifecycle import CommunicatorState, Completed, collective
 
 if TYPE_CHECKING:
@@ -88,6 +90,40 @@ class SingleCommunicator(CommunicatorState):
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {tuple(array.shape)}")
         return [_copy(array)]
+
+    @collective
+    def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
+        """A copy of ``array`` (the one segment, reduced over one rank); ``array`` is left unchanged.
+
+        Raises:
+            ValueError: ``array`` is not 1-D, or ``counts`` is not ``[array.size]``.
+            TypeError: ``op`` not valid for the dtype, or a non-contiguous array.
+        """
+        check_reduce_args(array, op)
+        check_counts(array, counts, 1)
+        return _copy(array)
+
+    @collective
+    def all_gather_into(self, array: Any, counts: Sequence[int] | None = None) -> Any:
+        """Return ``array`` unchanged (it holds the only segment).
+
+        Raises:
+            ValueError: ``array`` is not 1-D, or ``counts`` is not ``[array.size]``.
+            TypeError: a non-contiguous array.
+        """
+        check_counts(array, counts, 1)
+        return array
+
+    @collective
+    def all_to_all(self, array: Any) -> Any:
+        """A copy of ``array`` (its one row goes to rank 0).
+
+        Raises:
+            ValueError: ``array.shape[0] != 1``.
+            TypeError: a non-contiguous array.
+        """
+        check_rows(array, 1)
+        return _copy(array)
 
     @collective
     def barrier(self) -> None:

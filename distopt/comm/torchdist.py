@@ -17,9 +17,11 @@ garbled result. The descriptor travels in a fixed-size control block (see
 :mod:`~distopt.comm.control`), and a small call on CPU memory (up to 512
 bytes per rank: a step header, a metric, a broadcast flag) carries its data
 in that same block: one collective per call, reduced locally in rank order
-(16-bit floats in float32, rounded once). Waits on CPU work poll ``Work.is_completed()`` against the
-deadline (:func:`distopt.comm.wait.wait_until`): a missed deadline, or a
-peer that exited (gloo reports a closed connection), is a
+(16-bit floats in float32, rounded once). A wait on CPU work blocks in
+``Work.wait(timeout)`` until the deadline: gloo's own threads move and reduce
+the data, so the waiting thread polls nothing and leaves the cores to them
+(and to the other ranks). A missed deadline, or a peer that exited (gloo
+reports a closed connection), is a
 :class:`~distopt.errors.CollectiveTimeoutError`, after which the communicator
 is unusable. CUDA work is ordered on torch's streams (``Work.wait()``, no host
 wait), bounded by the process group's own timeout (NCCL watchdog).
@@ -27,7 +29,8 @@ wait), bounded by the process group's own timeout (NCCL watchdog).
 Reductions: gloo reduces float16, bfloat16, float32, float64, int8, uint8,
 int32, int64 and bool (sum/max: logical OR, min: logical AND); float16 and
 bfloat16 are summed in their own precision pairwise. Broadcast and gathers
-move any dtype (as bytes).
+move any dtype (as bytes). The sharded collectives (reduce-scatter, in-place
+all-gather, all-to-all, with ``_async`` forms) are in :mod:`~distopt.comm.torch_shards`.
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_e
 from .messages import STALLED, UNUSABLE, failure_message, timeout_message, where
 from .rank_order import reduce_in_rank_order
 from .torch_arrays import FlatTensor, descriptor_code as _code
-from .wait import resolve_timeout, wait_until
+from .torch_shards import TorchShards
+from .wait import resolve_timeout
 
 if TYPE_CHECKING:
     from ..launch.ranks import RankInfo
@@ -68,6 +72,9 @@ _REDUCIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: A CPU wait that fails after this fraction of the deadline timed out (gloo's own timer, as long as
+#: ours, starts when its thread takes the work up, a moment before or after the wait begins).
+_LATE = 0.9
 
 
 class TorchHandle:
@@ -97,7 +104,7 @@ class TorchHandle:
         return self._t.array
 
 
-class TorchCommunicator(CommunicatorState):
+class TorchCommunicator(TorchShards, CommunicatorState):
     """Collectives over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
     Args:
@@ -171,26 +178,27 @@ class TorchCommunicator(CommunicatorState):
 
     # ------------------------------------------------------------------ helpers
     def _complete(self, work: Any, t: FlatTensor, what: str) -> None:
-        """Wait for ``work``: stream-ordered on CUDA, polled against the deadline on CPU."""
+        """Wait for ``work``: stream-ordered on CUDA; on CPU blocked in ``Work.wait(timeout)`` (the GIL
+        released, no polling) until the deadline.
+
+        Raises:
+            CollectiveTimeoutError: the deadline passed (ours, or gloo's own, which is as long), or a
+                peer exited; the communicator is unusable then.
+        """
+        start = time.monotonic()
         try:
             if t.flat.is_cuda:
-                work.wait()
-                return
-
-            def expired() -> CollectiveTimeoutError:
-                self._ctl.broken = what
-                return CollectiveTimeoutError(timeout_message(where("torch", what, self.rank), self.timeout,
-                                                              f"{STALLED}; {UNUSABLE}"))
-
-            wait_until(work.is_completed, time.monotonic() + self.timeout, expired)
-            work.wait()
-        except CollectiveTimeoutError:
-            raise  # our own deadline (a RuntimeError too): already says where and why
-        except RuntimeError as exc:  # gloo: a peer closed its connection, or gloo's own timeout
+                work.wait()  # orders the current stream after the work; no host wait
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:  # ours: "Operation timed out!"; gloo's: a closed connection, its timeout
             self._ctl.broken = what
+            place = where("torch", what, self.rank)
+            late = not work.is_completed() or time.monotonic() - start >= _LATE * self.timeout
+            if late and not t.flat.is_cuda:
+                raise CollectiveTimeoutError(timeout_message(place, self.timeout, f"{STALLED}; {UNUSABLE}")) from exc
             raise CollectiveTimeoutError(failure_message(
-                where("torch", what, self.rank), f"{str(exc).splitlines()[0]} (a peer exited or timed out)",
-                UNUSABLE)) from exc
+                place, f"{str(exc).splitlines()[0]} (a peer exited or timed out)", UNUSABLE)) from exc
 
     def _exchange(self, what: str) -> None:
         """The control block's exchange: one gloo all-gather of every rank's block."""
@@ -228,12 +236,20 @@ class TorchCommunicator(CommunicatorState):
         if op == "avg":
             flat.div_(self.size)
 
-    def _reduce_work(self, t: FlatTensor, op: str) -> Any:
-        dtype = t.flat.dtype
+    @staticmethod
+    def _torch_op(dtype: torch.dtype, op: str) -> Any:
+        """The ``ReduceOp`` of ``op`` on ``dtype`` (bool: MAX for OR, MIN for AND).
+
+        Raises:
+            TypeError: gloo cannot reduce ``dtype``.
+        """
         if dtype not in _REDUCIBLE:
             raise TypeError(f"dtype {dtype} cannot be reduced by the torch backend (gloo); use one of "
                             + ", ".join(sorted(str(d).replace("torch.", "") for d in _REDUCIBLE)))
-        torch_op = _BOOL_OPS[op] if dtype == torch.bool else _OPS[op]
+        return _BOOL_OPS[op] if dtype == torch.bool else _OPS[op]
+
+    def _reduce_work(self, t: FlatTensor, op: str) -> Any:
+        torch_op = self._torch_op(t.flat.dtype, op)
         return dist.all_reduce(t.flat, op=torch_op, group=self._group, async_op=True)
 
     @staticmethod

@@ -1,10 +1,22 @@
 """The one bounded wait every backend uses, and the one timeout rule.
 
-A backend polls a completion test (``MPI.Request.Test``, ``Work.is_completed``,
-a shared-memory counter, a CUDA event) with :func:`wait_until`: first without
-sleeping (a collective progresses only while the host polls, for MPI), then
-yielding the core, then sleeping with exponential backoff, never past the
-deadline. :func:`resolve_timeout` turns a ``timeout=`` argument or
+A backend polls a completion test (``MPI.Request.Test``, a shared-memory
+counter, a CUDA event) with :func:`wait_until`, never past the deadline:
+
+1. it spins (polls without giving up the core) only as long as this backoff's
+   recent waits took: :func:`spin_budget`, twice the median of the last
+   :data:`RECENT` waits, at least :data:`MIN_SPIN_S`, at most ``busy_s``. A
+   wait that ends while spinning costs no system call;
+2. then it polls with ``os.sched_yield()`` between tests, until ``yield_s``
+   (or ``busy_s``, the later): the collective still progresses at every test
+   (MPI moves data only inside MPI calls), but a rank, or a rank's thread,
+   that needs this core gets it at once;
+3. then it sleeps, with exponential backoff.
+
+So a wait longer than usual, a peer late in its own compute, spins no
+longer than the usual wait did. The torch backend waits in ``Work.wait``
+itself instead (gloo's threads move the data; nothing needs polling).
+:func:`resolve_timeout` turns a ``timeout=`` argument or
 ``$DISTOPT_TIMEOUT`` into that deadline, validated the same way for every
 backend.
 """
@@ -12,10 +24,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Backoff", "resolve_timeout", "wait_until", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout"]
+__all__ = ["Backoff", "resolve_timeout", "wait_until", "spin_budget", "DEFAULT_TIMEOUT", "TIMEOUT_ENV",
+           "default_timeout", "MIN_SPIN_S", "RECENT"]
 
 #: Default deadline of one collective, in seconds.
 DEFAULT_TIMEOUT = 300.0
@@ -60,21 +74,42 @@ def resolve_timeout(timeout: float | None) -> float:
     return default_timeout() if timeout is None else _positive(timeout, "timeout")
 
 
+#: SECONDS a wait spins at least (before yielding), however short recent waits were.
+MIN_SPIN_S = 5e-5
+
+#: Waits whose durations set the spin budget (the median: a wait stretched by a busy machine does not).
+RECENT = 8
+
+#: The last :data:`RECENT` wait durations in SECONDS, per backoff schedule (a backend's waits share one).
+_recent: dict[Backoff, deque[float]] = {}
+
+
 @dataclass(frozen=True)
 class Backoff:
     """How :func:`wait_until` polls, in seconds since the wait began.
 
     Attributes:
-        busy_s: poll without giving up the core until then.
-        yield_s: then poll with ``os.sched_yield()`` until then.
+        busy_s: spin (poll without giving up the core) at most this long;
+            the spin lasts :func:`spin_budget` (adapted to recent waits).
+        yield_s: then poll with ``os.sched_yield()`` until then (or until
+            ``busy_s``, if later).
         min_sleep_s: then sleep, starting with this many seconds ...
         max_sleep_s: ... doubling up to this.
     """
 
-    busy_s: float = 0.02
+    busy_s: float = 2e-4
     yield_s: float = 0.02
     min_sleep_s: float = 1e-5
     max_sleep_s: float = 2e-4
+
+
+def spin_budget(backoff: Backoff) -> float:
+    """SECONDS the next wait with ``backoff`` spins before it yields: twice the median of its last
+    :data:`RECENT` waits, at least :data:`MIN_SPIN_S`, at most ``backoff.busy_s`` (all of it before any wait)."""
+    recent = _recent.get(backoff)
+    if not recent:
+        return backoff.busy_s
+    return min(backoff.busy_s, max(MIN_SPIN_S, 2 * sorted(recent)[len(recent) // 2]))
 
 
 def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[], BaseException], *,
@@ -88,7 +123,8 @@ def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[
         on_timeout: builds the exception raised at the deadline (e.g. a
             :class:`~distopt.errors.CollectiveTimeoutError` naming the ranks
             that did not arrive).
-        backoff: the polling schedule.
+        backoff: the polling schedule (see the module docs); the wait's
+            duration joins its recent ones.
         check: called every ``check_every_s`` seconds while waiting; it may
             raise to end the wait early (e.g. a peer process has exited).
         check_every_s: period of ``check`` in seconds.
@@ -100,6 +136,8 @@ def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[
     if done():
         return
     start = time.monotonic()
+    spin = spin_budget(backoff)
+    polite = max(backoff.busy_s, backoff.yield_s)
     check_at = start + check_every_s
     delay = backoff.min_sleep_s
     while not done():
@@ -110,10 +148,11 @@ def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[
         if now >= deadline:
             raise on_timeout()
         elapsed = now - start
-        if elapsed < backoff.busy_s:
+        if elapsed < spin:
             continue
-        if elapsed < backoff.yield_s:
+        if elapsed < polite:
             os.sched_yield()
             continue
         time.sleep(delay)
         delay = min(2 * delay, backoff.max_sleep_s)
+    _recent.setdefault(backoff, deque(maxlen=RECENT)).append(time.monotonic() - start)

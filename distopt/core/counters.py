@@ -35,7 +35,16 @@ class Counters(Mapping):
             host control communicator; 0 on CPU backends).
         control_collectives: the engine's own small collectives (the step
             header; the gradient flags when the header could not settle a
-            step; the ``check_finite`` vote), not the buckets' reductions.
+            step; the ``check_finite`` vote; a sharded step's vote on its
+            reduced segments being finite), not the buckets' reductions.
+        gather_bytes: BYTES of parameters all-gathered after sharded
+            updates (``zero=1|2``; the buckets' sizes, as ``wire_bytes``
+            counts a reduce-scatter's input).
+        optimizer_state_bytes: BYTES of this rank's optimizer state after the
+            last step (-1 where the local optimizer cannot tell).
+        gradient_bytes: BYTES of gradient memory after the last step: what
+            distopt holds (bucket buffers, reduced segments) plus the
+            ``.grad`` tensors of a PyTorch optimizer's parameters.
     """
 
     steps: int = 0
@@ -46,6 +55,9 @@ class Counters(Mapping):
     wait_seconds: float = 0.0
     host_syncs: int = 0
     control_collectives: int = 0
+    gather_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    gradient_bytes: int = 0
     _reported: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, n: int) -> None:

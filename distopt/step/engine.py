@@ -16,10 +16,15 @@ Per step, the engine
    :class:`~distopt.step.pipeline.BucketPipeline`;
 3. agrees on which gradients exist, how many ranks contribute and whether
    to skip the step, then completes the buckets. That takes one more small
-   all-reduce only when the header could not settle it: gradients not known
-   at the header (overlap with backward), missing on some rank, or some
-   rank inside ``join()``. A steady-state step after backward thus costs one
-   control collective.
+   all-reduce only when the header could not settle it: a gradient missing
+   on some rank, a rank inside ``join()``, or gradients not known at the
+   header (overlap) that the reduction cannot settle. It can (host arrays,
+   ``check_finite`` off, no sharding, nobody joined): the reduced gradients
+   are bitwise the same on every rank and one nobody had is all zeros, so
+   every rank gives the same answer to "is a reduced gradient all zeros?"
+   (read from its start, one element as a rule), and only a yes costs the
+   flags (:meth:`Engine.complete`). A steady-state step costs one control
+   collective, overlapped or not.
 
 Averaging independent random inits would shrink them, so parameters are
 broadcast from rank 0, never averaged. Every collective error carries the
@@ -36,10 +41,11 @@ import numpy as np
 from ..core._array import xp_of
 from .agreement import GroupSettings, check_same, digest
 from ..core.buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
-from ..comm.base import Communicator
+from ..comm.base import Communicator, ShardingCommunicator
 from ..core.counters import Counters
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from .pipeline import BucketPipeline, Launcher
+from .zero import ShardPlan, plan_shards
 from ..strategies.base import Strategy
 
 __all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
@@ -70,6 +76,23 @@ class Outcome:
         return self.active > 0 and not self.skipped
 
 
+class _Pending(Outcome):
+    """The header's outcome of a step whose gradients the reduction settles (see the module docs)."""
+
+
+def _all_zero(array: Any) -> bool:
+    """True when every element of a host array is zero (or it has none), read in growing slices from its start."""
+    flat = array.reshape(-1)
+    if flat.size and flat[0] != 0:
+        return False
+    start, step = 0, 64
+    while start < flat.size:
+        if flat[start:start + step].any():
+            return False
+        start, step = start + step, step * 8
+    return True
+
+
 @dataclass
 class _Layout:
     """One bucket layout of the current parameter list, with its packing buffers.
@@ -83,6 +106,15 @@ class _Layout:
     key: int
     buckets: list[Bucket]
     buffers: dict[int, Any] = field(default_factory=dict)
+    shards: ShardPlan | None = None
+
+
+def _finite(array: Any) -> bool:
+    """Whether every element of ``array`` is finite: one sum (in float32 at least) when it is finite, the
+    elementwise test only when the sum is not (a NaN, an inf, or a finite overflow)."""
+    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
+        return True
+    return bool(xp_of(array).isfinite(array).all())
 
 
 class Engine:
@@ -97,12 +129,20 @@ class Engine:
         divide_by_initial_world_size: while some ranks have joined, divide
             the sum by the world size (PyTorch DDP's default: joined ranks
             contribute zeros); False divides by the ranks that contributed.
+        zero: the sharding stage (:mod:`distopt.step.zero`): 0 all-reduces
+            every bucket; 1 and 2 reduce-scatter them (2 also frees each
+            bucket's buffer once reduced).
     """
 
     def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters,
-                 divide_by_initial_world_size: bool = True) -> None:
+                 divide_by_initial_world_size: bool = True, zero: int = 0) -> None:
         self.comm, self.buff_size, self.check_finite, self.counters = comm, buff_size, check_finite, counters
         self.divide_by_initial_world_size = divide_by_initial_world_size
+        if zero and not isinstance(comm, ShardingCommunicator):
+            raise ValueError(f"zero={zero} needs a communicator with reduce_scatter, all_gather_into and all_to_all "
+                             f"(distopt.comm.base.ShardingCommunicator); {type(comm).__name__} lacks them")
+        self.zero = zero
+        self.layout: _Layout | None = None  # the last step's layout
         self.launch = Launcher(comm)
         self._specs: tuple[Any, ...] | None = None
         self._specs_digest: tuple[Any, int] = (None, 0)
@@ -149,15 +189,21 @@ class Engine:
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
-                "reverse": reverse, **strategy.describe()}
+                "reverse": reverse, "zero": self.zero, **strategy.describe()}
         if groups is not None:
             full["optimizer settings"] = groups.digest
         if specs != self._specs_digest[0]:
             self._specs_digest = (specs, digest([[list(shape), str(dtype)] for shape, dtype in specs]))
-        unsettled = grads is None or any(g is None for p, g in zip(params, grads) if is_float(p))
+        # gradients: 0 known and every float one present; 1 not known yet, the reduction settles them;
+        # 2 known with some missing, or not known and the flags must settle them
+        if grads is not None:
+            unsettled = 2 * any(g is None for p, g in zip(params, grads) if is_float(p))
+        else:
+            unsettled = 1 if (not self.check_finite and not self.zero and strategy.identical_replicas
+                              and all(isinstance(p, np.ndarray) for p in params)) else 2
         not_finite = self.check_finite and not unsettled and self._not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
-                           int(unsettled), int(not_finite)], dtype=np.int64)
+                           unsettled, int(not_finite)], dtype=np.int64)
         everyone = self.comm.all_gather(header)
         self.counters.control_collectives += 1
         if (everyone[:, :2] != everyone[0, :2]).any():
@@ -175,10 +221,14 @@ class Engine:
             buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
                                    reverse=reverse, first_bucket=first)
             floats = [b for b in buckets if is_float(b.dtype)]
-            self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats)
+            shards = plan_shards(floats, self.comm.rank, self.comm.size) if self.zero else None
+            self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats, shards=shards)
         settled = None
+        present = [is_float(p) for p in params]
         if not everyone[:, 3:5].any():  # nobody joined, every rank holds every float gradient
-            settled = Outcome([is_float(p) for p in params], self.comm.size, bool(everyone[:, 5].any()))
+            settled = Outcome(present, self.comm.size, bool(everyone[:, 5].any()))
+        elif not everyone[:, 3].any() and everyone[:, 4].max() == 1 and not everyone[:, 5].any() and not self.zero:
+            settled = _Pending(present, self.comm.size, False)  # a sharded step's segments cannot settle it
         return self._layouts[slot], settled
 
     # ------------------------------------------------------------- the step
@@ -208,8 +258,11 @@ class Engine:
         threshold = strategy.threshold(threshold)
         with self.context("parameter check"):
             layout, settled = self._agree(strategy, params, threshold, joined, grads, groups)
-        return BucketPipeline(strategy, layout.buckets, layout.buffers, layout.key, params, self.launch,
-                              self.comm, self.counters, self.context, views, bucket_view, settled)
+        self.layout = layout
+        buffers = {} if self.zero == 2 else layout.buffers  # stage 2: a bucket's buffer lives until it is reduced
+        return BucketPipeline(strategy, layout.buckets, buffers, layout.key, params, self.launch,
+                              self.comm, self.counters, self.context, views, bucket_view, settled,
+                              layout.shards, release=self.zero == 2)
 
     def agree(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, joined: bool,
               grads: Sequence[Any], active: bool = True, groups: GroupSettings | None = None) -> Outcome:
@@ -237,15 +290,23 @@ class Engine:
         gradient (an overflowing half-precision sum of finite inputs), with
         one more one-element all-reduce so every rank decides the same; the
         averaged (non-finite) values are then left in ``grads``.
+
+        A step the header left pending (gradients not known then, see the
+        module docs) completes the buckets first, then settles which
+        gradients exist from the reduced ones (:meth:`_settle_from_reduced`).
         """
         if pipeline.settled is not None and not pipeline.settled.applies:  # skipped before any reduction
             return self.agree_on_gradients(pipeline.params, grads, active, pipeline.settled)
         pipeline.launch_rest(grads)
+        if isinstance(pipeline.settled, _Pending):
+            return self._settle_from_reduced(pipeline, grads, active)
         outcome = self.agree_on_gradients(pipeline.params, grads, active, pipeline.settled)
         if not outcome.applies:
             pipeline.abandon()
             return outcome
         pipeline.finish(grads, self.comm.size if self.divide_by_initial_world_size else outcome.active)
+        if pipeline.shards is not None:
+            return self._finite_segments(pipeline, outcome)
         if self.check_finite:
             bad = np.array([any(not bool(xp_of(g).isfinite(g).all())
                                 for g, ok in zip(grads, outcome.present) if ok and g is not None and is_float(g))],
@@ -256,6 +317,41 @@ class Engine:
             if bad[0]:
                 outcome.skipped = True
                 self.counters.skipped_steps += 1
+        return outcome
+
+    def _settle_from_reduced(self, pipeline: BucketPipeline, grads: list[Any], active: bool) -> Outcome:
+        """Finish a pending step's buckets (nobody joined: divided by the world size), then its outcome:
+        every float gradient present when none reduced to all zeros (the same answer on every rank, the
+        reduced values being the same), else the gradient flags' all-reduce, from this rank's own ``grads``."""
+        had = [g is not None for g in grads]
+        pipeline.finish(grads, self.comm.size)
+        params = pipeline.params
+        for i, p in enumerate(params):
+            if not is_float(p):
+                continue
+            reduced = grads[i]
+            if reduced is None:  # a bucket view's slot: the gradient is its flat buffer, never unpacked
+                b, s = pipeline.where[i]
+                reduced = pipeline.flats[b][0][s.offset:s.offset + s.size]
+            if _all_zero(reduced):
+                return self.agree_on_gradients(params, [g if h else None for g, h in zip(grads, had)], active)
+        return Outcome([is_float(p) for p in params], self.comm.size, False)
+
+    def _finite_segments(self, pipeline: BucketPipeline, outcome: Outcome) -> Outcome:
+        """A sharded step: the ranks agree whether every reduced segment is finite (one small all-reduce,
+        always: each rank sees only its own segments). Not finite: skipped with ``check_finite``, else every
+        rank's segments are set to NaN, as a dense average would be NaN on every rank (so ``GradScaler``
+        sees it everywhere)."""
+        bad = np.array([any(not _finite(seg) for seg in pipeline.segments.values() if seg.size)], dtype=np.int32)
+        with self.context("agreement on the reduced gradient being finite"):
+            self.comm.all_reduce(bad, op="max")
+        self.counters.control_collectives += 1
+        if bad[0] and self.check_finite:
+            outcome.skipped = True
+            self.counters.skipped_steps += 1
+        elif bad[0]:
+            for seg in pipeline.segments.values():
+                seg[...] = np.nan
         return outcome
 
     def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,

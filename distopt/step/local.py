@@ -48,6 +48,10 @@ class LocalOptimizer(ABC):
     def detach(self) -> None:  # noqa: B027 (optional hook)
         """Remove the hooks DistOpt placed on the model and optimizer (array optimizers have none)."""
 
+    def state_bytes(self) -> int:
+        """BYTES of the optimizer's state (momentum buffers, moments); -1 when it cannot tell."""
+        return -1
+
     @abstractmethod
     def state_dict(self) -> Any:
         """The optimizer's state (None if it has none)."""
@@ -134,6 +138,11 @@ class ArrayOptimizer(LocalOptimizer):
             return []
         kind = "distopt.SGD" if type(self.opt).__module__ == "distopt.optim" else type(self.opt).__name__
         return [(f"{kind}.momentum", float(self.opt.momentum))]
+
+    def state_bytes(self) -> int:
+        """The optimizer's ``state_bytes()`` (:class:`distopt.SGD` has one), else -1."""
+        count = getattr(self.opt, "state_bytes", None)
+        return int(count()) if callable(count) else -1
 
     def state_dict(self) -> Any:
         return self.opt.state_dict() if hasattr(self.opt, "state_dict") else None

@@ -23,9 +23,10 @@ from typing import Any, Callable, Sequence
 from ..core._array import xp_of
 from ..core.buckets import Bucket, put, unpack
 from ..comm.base import Communicator
-from ..comm.lifecycle import profile_range
+from ..comm.lifecycle import Completed, profile_range
 from ..core.counters import Counters
 from ..strategies.base import BucketContext, Strategy
+from .zero import ShardPlan
 
 __all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
 
@@ -66,9 +67,20 @@ class Launcher:
     def __call__(self, array: Any, op: str) -> Any:
         if self._native is not None:
             return self._native(array, op)
+        return self._submit(self.comm.all_reduce, array, op)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> _ThreadHandle:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distopt-allreduce")
-        return _ThreadHandle(self._executor.submit(self.comm.all_reduce, array, op))
+        return _ThreadHandle(self._executor.submit(fn, *args))
+
+    def scatter(self, counts: Sequence[int]) -> Callable[[Any, str], Any]:
+        """``scatter(array, op)``: starts a reduce-scatter of ``array`` over ``counts`` (the backend's
+        ``reduce_scatter_async``, or the worker thread); its handle's ``wait()`` returns this rank's segment."""
+        native = getattr(self.comm, "reduce_scatter_async", None)
+        if native is not None:
+            return lambda array, op: native(array, counts, op)
+        return lambda array, op: self._submit(self.comm.reduce_scatter, array, counts, op)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -81,6 +93,11 @@ def _test(started: Any) -> None:
     test = getattr(started, "test", None)
     if test is not None:
         test()
+
+
+def _own(segment: Any) -> Any:
+    """``segment`` in memory of its own (a copy when it views a larger buffer that is to be freed)."""
+    return segment.copy() if getattr(segment, "base", None) is not None else segment
 
 
 class BucketPipeline:
@@ -111,12 +128,23 @@ class BucketPipeline:
         settled: the engine's ``Outcome`` when the step header already
             settled the step (gradients known, present and finite
             everywhere), else None.
+        shards: a sharded optimizer's split of the layout
+            (:class:`~distopt.step.zero.ShardPlan`): every bucket is
+            reduce-scattered, and :meth:`finish` leaves this rank's averaged
+            segments in :attr:`segments` instead of unpacking; None for an
+            all-reduce.
+        release: with ``shards``, drop each bucket's flat buffer as soon as its
+            reduce-scatter has completed (ZeRO stage 2: gradient memory).
+
+    Attributes:
+        segments: with ``shards``, bucket index -> this rank's averaged
+            segment (1-D, ``shards.counts[b][rank]`` elements), after :meth:`finish`.
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
                  context: Callable[[str], Any], views: bool = True, bucket_view: bool = False,
-                 settled: Any = None) -> None:
+                 settled: Any = None, shards: ShardPlan | None = None, release: bool = False) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
         self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
@@ -128,10 +156,17 @@ class BucketPipeline:
         self.started: dict[int, Any] = {}
         self.next = 0
         self.settled = settled
+        self.shards, self.release = shards, release
+        self.segments: dict[int, Any] = {}
 
     def _ctx(self, b: int) -> BucketContext:
-        return BucketContext(b, len(self.buckets), self.key, self.buckets[b], self.flats[b][1], self.comm,
-                             self.launch, self.counters)
+        viewed = self.flats[b][1] if b in self.flats else False
+        if self.shards is None:
+            return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
+                                 self.launch, self.counters)
+        counts = self.shards.counts[b]
+        return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
+                             self.launch, self.counters, counts, self.launch.scatter(counts))
 
     def _where(self, b: int) -> str:
         bucket = self.buckets[b]
@@ -169,8 +204,16 @@ class BucketPipeline:
         self._put(index, grad)
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._start(self.next)
-        for started in self.started.values():
+        for b, started in self.started.items():
             _test(started)
+            if self.release and b in self.flats and started.test():
+                self._released(b)
+
+    def _released(self, b: int) -> None:
+        """ZeRO stage 2: keep bucket ``b``'s reduced segment, drop its flat buffer."""
+        self.started[b] = Completed(_own(self.started[b].wait()))
+        del self.flats[b]
+        self.buffers.pop(b, None)
 
     def _range(self, b: int, phase: str) -> Any:
         """A ``torch.profiler`` range for bucket ``b`` (a no-op unless a profiler records)."""
@@ -178,7 +221,10 @@ class BucketPipeline:
 
     def _start(self, b: int) -> None:
         with self.context(lambda: self._where(b)), self._range(b, "start"):
-            self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
+            if self.shards is None:
+                self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
+            else:
+                self.started[b] = self.strategy.start_shard(self._ctx(b), self.flats[b][0])
         self.next = b + 1
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
@@ -213,6 +259,9 @@ class BucketPipeline:
         to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
         then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
+        if self.shards is not None:
+            self._finish_shards(divisor)
+            return
         for b, bucket in enumerate(self.buckets):
             flat, viewed = self.flats[b]
             with self.context(lambda: self._where(b)), self._range(b, "finish"):
@@ -223,6 +272,19 @@ class BucketPipeline:
                 unpack(bucket, flat, grads, done.divisor)
             elif done.divisor != 1:
                 flat /= done.divisor
+        self.strategy.end_of_step()
+
+    def _finish_shards(self, divisor: int) -> None:
+        for b, bucket in enumerate(self.buckets):
+            flat = self.flats[b][0] if b in self.flats else None
+            with self.context(lambda: self._where(b)), self._range(b, "finish"):
+                self.segments[b], done = self.strategy.finish_shard(self._ctx(b), flat, self.started[b], divisor)
+            self.counters.wire_bytes += done.wire_bytes
+            self.counters.dense_bytes += bucket.size * bucket.dtype.itemsize
+            if self.release and b in self.flats:
+                self.segments[b] = _own(self.segments[b])
+                del self.flats[b]
+                self.buffers.pop(b, None)
         self.strategy.end_of_step()
 
     def abandon(self) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..core.counters import Counters
 from ..portable import from_portable, to_portable
@@ -35,11 +35,12 @@ class StepState:
 
     def __init__(self, local: LocalOptimizer, counters: Counters, strategies: StrategySet) -> None:
         self.local, self.counters, self.strategies = local, counters, strategies
+        self.sharding: Any = None  # a sharded torch optimizer's ShardedState (zero=1|2), set by DistOpt
 
     def _torch_layout(self) -> bool:
         return hasattr(self.local, "optimizer")
 
-    def state_dict(self, sampler: Any = None) -> dict[str, Any]:
+    def state_dict(self, sampler: Any = None, sharded: bool = False) -> dict[str, Any]:
         """The local optimizer's, the strategies', the counters' and ``sampler``'s state.
 
         Strategies whose state is per rank (error-feedback residuals) are
@@ -47,42 +48,62 @@ class StepState:
         only tensors, numbers, strings and plain containers (arrays as
         tensors, see :mod:`distopt.portable`) when PyTorch is installed, so
         ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
+        A sharded optimizer's state is consolidated (collective), or this
+        rank's shard with ``sharded`` (see :class:`~distopt.torch.zero.ShardedState`).
+
+        Raises:
+            ValueError: ``sharded=True`` without a sharded torch optimizer.
         """
+        if sharded and self.sharding is None:
+            raise ValueError("sharded=True needs DistOpt(torch_optimizer, zero=1|2)")
         extras: dict[str, Any] = {"format": STATE_FORMAT, "stats": self.counters.state_dict(),
                                   **self.strategies.state_dict()}
         if sampler is not None:
             extras["sampler"] = sampler.state_dict()
         if self._torch_layout():
-            return to_portable({**self.local.state_dict(), "distopt": extras})
+            local = self.local.state_dict() if self.sharding is None else self.sharding.state_dict(sharded)
+            return to_portable({**local, "distopt": extras})
         return to_portable({**extras, "local": self.local.state_dict()})
 
-    def load_state_dict(self, state: Mapping[str, Any], sampler: Any = None) -> None:
-        """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict.
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], sampler: Any = None) -> None:
+        """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict; a sharded
+        optimizer also takes the list of every rank's ``state_dict(sharded=True)`` (any world size).
 
         Raises:
             ValueError: ``state`` is neither, or was written by an older
                 distopt for an array optimizer (its format is named).
         """
-        state = from_portable(state)
-        if self._torch_layout() and "param_groups" in state:
-            extras = state.get("distopt")
-            self.local.load_state_dict({k: v for k, v in state.items() if k != "distopt"})
-        elif self._torch_layout() and state.get("format") == 2:
-            warnings.warn("this optimizer state was written by an older distopt (format 2, the torch optimizer's "
-                          "state under 'local'); it is loaded, but save it again to write torch's layout",
-                          UserWarning, stacklevel=3)
-            extras = state
-            self.local.load_state_dict(state["local"])
-        elif not self._torch_layout() and state.get("format") == STATE_FORMAT:
-            extras = state
-            self.local.load_state_dict(state["local"])
+        if isinstance(state, (list, tuple)) and self.sharding is not None:  # every rank's shard
+            states = [from_portable(s) for s in state]
+            self.sharding.load_state_dict([{k: v for k, v in s.items() if k != "distopt"} for s in states])
+            extras = states[0].get("distopt")
         else:
-            raise ValueError(f"state has format {state.get('format', 1)!r} and keys {sorted(state)}; this distopt "
-                             f"reads its own state_dict() (format {STATE_FORMAT}) or, with a PyTorch optimizer, "
-                             "a torch optimizer's state dict ('state', 'param_groups')")
+            extras = self._load_local(from_portable(state))
         if extras is None:
             return
         self.counters.load_state_dict(extras["stats"])
         self.strategies.load_state_dict(extras)
         if sampler is not None and "sampler" in extras:
             sampler.load_state_dict(extras["sampler"])
+
+    def _load_local(self, state: Mapping[str, Any]) -> Any:
+        """Load the local optimizer's part of ``state``; return distopt's own part (None: a plain torch state)."""
+        if self._torch_layout() and "param_groups" in state:
+            local = {k: v for k, v in state.items() if k != "distopt"}
+            if self.sharding is not None:
+                self.sharding.load_state_dict(local)
+            else:
+                self.local.load_state_dict(local)
+            return state.get("distopt")
+        if self._torch_layout() and state.get("format") == 2:
+            warnings.warn("this optimizer state was written by an older distopt (format 2, the torch optimizer's "
+                          "state under 'local'); it is loaded, but save it again to write torch's layout",
+                          UserWarning, stacklevel=4)
+            self.local.load_state_dict(state["local"])
+            return state
+        if not self._torch_layout() and state.get("format") == STATE_FORMAT:
+            self.local.load_state_dict(state["local"])
+            return state
+        raise ValueError(f"state has format {state.get('format', 1)!r} and keys {sorted(state)}; this distopt "
+                         f"reads its own state_dict() (format {STATE_FORMAT}) or, with a PyTorch optimizer, "
+                         "a torch optimizer's state dict ('state', 'param_groups')")

@@ -122,6 +122,14 @@ class BucketContext:
             the backend allows it.
         counters: the step counters (``stats``); a strategy reports its own
             counts with ``counters.add(name, n)``.
+        counts: with a sharded optimizer (``DistOpt(zero=1|2)``), the
+            ELEMENTS of the bucket each rank owns (``len == world size``,
+            summing to ``bucket.size``); None otherwise.
+        scatter: with a sharded optimizer, ``scatter(array, op)`` starts a
+            reduce-scatter of ``array`` (``bucket.size`` elements) over
+            :attr:`counts` and returns its :class:`Handle`, whose ``wait()``
+            returns this rank's reduced segment (1-D, ``counts[rank]``
+            elements); None otherwise.
     """
 
     index: int
@@ -132,6 +140,8 @@ class BucketContext:
     comm: Communicator
     launch: Callable[[Any, str], Handle]
     counters: Counters
+    counts: Sequence[int] | None = None
+    scatter: Callable[[Any, str], Handle] | None = None
 
 
 @dataclass
@@ -186,6 +196,9 @@ class Strategy(ABC):
         counter_names: the counters this strategy reports through
             ``counters.add`` (read in ``DistOpt.stats``), e.g.
             ``("sparse_entries", "sparse_dense_fallbacks")``.
+        supports_sharding: the strategy can reduce-scatter a bucket instead
+            of all-reducing it (:meth:`GradientStrategy.start_shard`), so it
+            runs under a sharded optimizer (``DistOpt(zero=1|2)``).
     """
 
     name: ClassVar[str]
@@ -195,6 +208,7 @@ class Strategy(ABC):
     default_threshold: ClassVar[int] = DEFAULT_THRESHOLD
     identical_replicas: ClassVar[bool] = True
     counter_names: ClassVar[tuple[str, ...]] = ()
+    supports_sharding: ClassVar[bool] = False
 
     def threshold(self, threshold: int | None) -> int:
         """The fusion threshold in ELEMENTS of a step: ``threshold``, or :attr:`default_threshold` for None."""
@@ -270,6 +284,21 @@ class GradientStrategy(Strategy):
 
     def end_of_step(self) -> None:  # noqa: B027 (optional hook)
         """Called once per applied step, after every bucket finished (per-step counters, warm-up)."""
+
+    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
+        """Start reducing bucket ``ctx.index`` to this rank's segment only (a sharded optimizer's
+        reduce-scatter, through ``ctx.scatter``); only where :attr:`supports_sharding`.
+
+        Raises:
+            TypeError: the strategy does not support sharding.
+        """
+        raise TypeError(f"strategy {self.name!r} does not support a sharded optimizer (zero=1|2)")
+
+    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
+        """Complete :meth:`start_shard`: returns this rank's segment of the bucket's average (1-D,
+        ``ctx.counts[rank]`` elements of ``flat.dtype``; the sum over ranks divided by ``divisor``) and
+        what was sent (:class:`Done`, ``divisor`` 1)."""
+        raise TypeError(f"strategy {self.name!r} does not support a sharded optimizer (zero=1|2)")
 
 
 class ParameterAverager(Strategy):

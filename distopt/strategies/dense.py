@@ -26,6 +26,7 @@ class Dense(GradientStrategy):
     supports_overlap: ClassVar[bool] = True
     supports_join: ClassVar[bool] = True
     default_threshold: ClassVar[int] = VIEW_THRESHOLD
+    supports_sharding: ClassVar[bool] = True
 
     def start(self, ctx: BucketContext, flat: Any) -> Handle:
         return ctx.launch(flat, "sum")
@@ -37,6 +38,16 @@ class Dense(GradientStrategy):
                 flat /= divisor
             return Done(int(flat.nbytes))
         return Done(int(flat.nbytes), divisor)  # a packed copy: divide while unpacking
+
+    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
+        assert ctx.scatter is not None
+        return ctx.scatter(flat, "sum")
+
+    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
+        shard = started.wait()
+        if divisor != 1:
+            shard /= divisor
+        return shard, Done(ctx.bucket.size * ctx.bucket.dtype.itemsize)
 
 
 register(Example("dense", Dense))

@@ -46,6 +46,7 @@ class Half(GradientStrategy):
     supports_overlap: ClassVar[bool] = True
     supports_join: ClassVar[bool] = True
     default_threshold: ClassVar[int] = VIEW_THRESHOLD
+    supports_sharding: ClassVar[bool] = True
 
     def __init__(self, wire: str = "float16", predivide: float | None = None, clip: float | None = None) -> None:
         if wire not in WIRE_DTYPES:
@@ -71,6 +72,15 @@ class Half(GradientStrategy):
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
         from_wire(started.wait(), flat.dtype, self._factor / divisor, out=flat)  # wait() returns the wire sum
         return Done(2 * int(flat.size))
+
+    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
+        assert ctx.scatter is not None
+        src = flat if self.clip is None else flat.clip(-self.clip, self.clip)
+        return ctx.scatter(to_wire(src, self.wire, 1.0 / self._factor), "sum")
+
+    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
+        wire = started.wait()  # this rank's segment of the wire sum
+        return from_wire(wire, ctx.bucket.dtype, self._factor / divisor), Done(2 * ctx.bucket.size)
 
 
 register(Example("half-fp16", Half, {"wire": "float16"}, mismatch={"wire": "float16", "predivide": 1.0}),

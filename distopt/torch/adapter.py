@@ -105,9 +105,13 @@ class TorchOptimizer(LocalOptimizer):
         self.optimizer = optimizer
         self._hooked: set[int] = set()
         self.handles: list[Any] = []
+        self.real_groups: list[list[Any]] | None = None  # the groups' own lists while a sharded step swapped them
 
     def params(self) -> list[Any]:
-        """The optimizer's parameters, group by group, in a fixed order."""
+        """The optimizer's parameters, group by group, in a fixed order (its own, also while a sharded
+        optimizer's shard tensors are swapped into its groups)."""
+        if self.real_groups is not None:
+            return [p for params in self.real_groups for p in params]
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def trainable(self) -> list[Any]:
@@ -149,6 +153,17 @@ class TorchOptimizer(LocalOptimizer):
         name = ("torch.optim." if kind.__module__.startswith("torch.optim") else "") + kind.__name__
         return [(f"{name}.param_groups[{i}]['momentum']", float(group["momentum"]))
                 for i, group in enumerate(self.optimizer.param_groups) if "momentum" in group]
+
+    def state_bytes(self) -> int:
+        """BYTES of the tensors in the optimizer's ``state``."""
+        import torch
+
+        return sum(v.nbytes for entry in self.optimizer.state.values() for v in entry.values()
+                   if isinstance(v, torch.Tensor))
+
+    def grad_bytes(self) -> int:
+        """BYTES of the parameters' ``.grad`` tensors."""
+        return sum(p.grad.nbytes for p in self.params() if p.grad is not None)
 
     def state_dict(self) -> Any:
         return self.optimizer.state_dict()

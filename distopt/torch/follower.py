@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..core.buckets import VIEW_THRESHOLD
 from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
@@ -102,11 +103,8 @@ class Follower:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
         self.runner, self.local, self.k, self.sparse_as_dense = runner, local, passes_per_step, sparse_as_dense
-        self.views = BucketViews() if bucket_view else None
-        self.model = model
-        self.passes = 0
-        self.no_sync_depth = 0
-        self.skip_depth = 0
+        self.views, self.model = BucketViews() if bucket_view else None, model
+        self.passes = self.no_sync_depth = self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
         self._strategy: Strategy | None = None  # the strategy and threshold of this step's backward
         self._threshold: int | None = None
@@ -118,9 +116,8 @@ class Follower:
         self._stale: BucketPipeline | None = None
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
-        self._pending = False
-        self._reduced = False
-        self._skipped = False
+        self._pending = self._reduced = self._skipped = False
+        self.zero: Any = None  # a sharded optimizer's ShardedTorchStep (zero=1|2), set by DistOpt
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
@@ -230,14 +227,20 @@ class Follower:
             self.passes += 1
             self._pending = True
 
-    def _begin(self) -> BucketPipeline:
+    def _begin(self, shadow: bool | None = None) -> BucketPipeline:
+        """A step's header and pipeline; after backward the header carries the gradients (``shadow``: a joined
+        rank's, all None). Nothing is reduced in place here: ``VIEW_THRESHOLD`` fuses up to ``buffSize``."""
         self.drain()
         strategy = self._current()
         assert isinstance(strategy, GradientStrategy)
         self._tensors = self._owned()
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
-        pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], self._threshold,
-                                     views=False, bucket_view=self.views is not None)
+        fused = self._threshold is None and strategy.default_threshold == VIEW_THRESHOLD
+        threshold = self.runner.engine.buff_size if fused else self._threshold
+        grads = None if shadow is None else [None if shadow or t.grad is None else as_array(t.grad.contiguous())
+                                             for t in self._tensors]
+        pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], threshold,
+                                     views=False, bucket_view=self.views is not None, grads=grads)
         if self.views is not None:
             self.views.bind(pipeline, self._tensors)
         return pipeline
@@ -268,15 +271,20 @@ class Follower:
         """
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is None:
-            pipeline = self._begin()
-        views = self.views
-        if views is not None:
-            for i, t in enumerate(self._tensors):
-                views.adopt(t, i)
+            pipeline = self._begin(shadow)
+        for i, t in enumerate(self._tensors if self.views is not None else ()):
+            self.views.adopt(t, i)
         grads = [None if shadow or t.grad is None else as_array(t.grad) for t in self._tensors]
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes, self._pending, self._reduced = 0, False, True
         self._skipped = not outcome.applies
+        (self._set_grads(grads, outcome, shadow) if self.zero is None
+         else self.zero.adopt(pipeline, self._tensors, outcome))
+        self.local.hook(self._tensors, self.on_grad)
+        return outcome
+
+    def _set_grads(self, grads: list[Any], outcome: Outcome, shadow: bool) -> None:
+        views = self.views
         for i, (t, g, ok) in enumerate(zip(self._tensors, grads, outcome.present)):
             if self._skipped or not ok:
                 t.grad = None
@@ -286,8 +294,6 @@ class Follower:
                 t.grad = as_tensor(g)
             elif shadow:
                 t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
-        self.local.hook(self._tensors, self.on_grad)
-        return outcome
 
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
@@ -300,6 +306,8 @@ class Follower:
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         strategy = self._current()
+        if self.zero is not None:
+            self.zero.after_step(applied=not self._skipped)
         params = self.local.arrays() if isinstance(strategy, ParameterAverager) else []
         self.runner.finish_step(strategy, params, self._threshold, applied=not self._skipped)
         self._reduced = self._skipped = False
@@ -346,9 +354,7 @@ class Follower:
         value = np.array([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=np.float64)
         self.runner.engine.comm.all_reduce(value, op="sum")
         mean = value[0] / self.runner.engine.comm.size
-        if isinstance(loss, torch.Tensor):
-            return torch.tensor(mean, dtype=loss.dtype)
-        return mean
+        return torch.tensor(mean, dtype=loss.dtype) if isinstance(loss, torch.Tensor) else mean
 
     def shadow(self) -> int:
         """One shadow step of a joined rank (collective); returns the active ranks (0: all joined)."""
@@ -363,6 +369,8 @@ class Follower:
     def zero_grad(self, set_to_none: bool) -> None:
         """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
         self.drain(outside_backward=True)
+        if self.zero is not None:
+            self.zero.swap_out()
         self.local.optimizer.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:

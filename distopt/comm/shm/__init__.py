@@ -10,7 +10,8 @@ Three modules, one job each:
   protocol every collective follows on them, its memory-ordering rule
   (:func:`check_platform`: x86 only for more than one process) and its waits;
 * :mod:`~distopt.comm.shm.communicator`: :class:`ShmCommunicator`, the
-  collectives.
+  collectives (the sharded ones, reduce-scatter, in-place all-gather and
+  all-to-all, from :mod:`~distopt.comm.shm.shards`).
 
 One communicator per job id may be open at a time; derive distinct ids
 (``f"{job_id}-2"``) for several.

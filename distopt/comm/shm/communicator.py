@@ -1,4 +1,5 @@
-"""The shm backend's collectives: all-reduce, broadcast and the gathers over the control rows.
+"""The shm backend's collectives: all-reduce, broadcast and the gathers over the control rows (the
+sharded ones, reduce-scatter, in-place all-gather and all-to-all, are in :mod:`~distopt.comm.shm.shards`).
 
 ``all_reduce`` is a reduce-scatter followed by an all-gather, as in the
 bandwidth-optimal algorithms of Patarasuk & Yuan (2009, "Bandwidth optimal
@@ -19,7 +20,7 @@ order (the same bits), so it waits for its peers once instead of twice.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from ..staging import staged
 from ..wait import resolve_timeout
 from .rows import DONE, REDUCED, ControlRows, check_platform, dtype_code
 from .segments import Segments
+from .shards import ShmShards, require_ndarray
 
 if TYPE_CHECKING:
     from ...launch.ranks import RankInfo
@@ -45,12 +47,7 @@ _SMALL_BYTES = 8192  # an all-reduce of at most this many bytes is reduced whole
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
-def _require_ndarray(array: Any) -> None:
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"the shm backend takes NumPy arrays, got {type(array).__name__}")
-
-
-class ShmCommunicator(CommunicatorState):
+class ShmCommunicator(ShmShards, CommunicatorState):
     """Collectives between the processes of one machine through shared memory.
 
     Args:
@@ -132,7 +129,7 @@ class ShmCommunicator(CommunicatorState):
             CollectiveTimeoutError: a rank did not arrive in time, exited or
                 closed.
         """
-        _require_ndarray(array)
+        require_ndarray(array)
         check_reduce_args(array, op)
         code = dtype_code(array.dtype)
         if self.size == 1:
@@ -204,7 +201,7 @@ class ShmCommunicator(CommunicatorState):
             CollectiveMismatchError: element counts, dtypes or roots differ.
             CollectiveTimeoutError: as for :meth:`all_reduce`.
         """
-        _require_ndarray(array)
+        require_ndarray(array)
         if not 0 <= root < self.size:
             raise ValueError(f"root must be in [0, {self.size}), got {root}")
         code = dtype_code(array.dtype)
@@ -230,7 +227,7 @@ class ShmCommunicator(CommunicatorState):
             CollectiveMismatchError: element counts or dtypes differ.
             CollectiveTimeoutError: as for :meth:`all_reduce`.
         """
-        _require_ndarray(array)
+        require_ndarray(array)
         code = dtype_code(array.dtype)
         payload = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         c, _, _ = self._ctl.arrive("all_gather", array.size, code, 0, payload)
@@ -256,7 +253,7 @@ class ShmCommunicator(CommunicatorState):
             CollectiveMismatchError: dtypes differ.
             CollectiveTimeoutError: as for :meth:`all_reduce`.
         """
-        _require_ndarray(array)
+        require_ndarray(array)
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes 1-D arrays, got shape {array.shape}")
         code = dtype_code(array.dtype)

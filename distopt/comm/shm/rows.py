@@ -62,7 +62,9 @@ _DESC = 8  # descriptors (kind, count, dtype, arg) at slots 8..11 and 12..15
 _SLOTS = 16  # int64 slots per row: 128 bytes, two cache lines
 _JOINED, _CLOSED = 1, 2
 
-_KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v")
+_KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter", "all_gather_into",
+          "all_to_all")
+_SHARDED = ("reduce_scatter", "all_gather_into")  # their arg: op index + 8 * CRC-32 of the counts
 
 
 def _bfloat16() -> tuple[np.dtype, ...]:
@@ -226,7 +228,9 @@ class ControlRows:
             op: the collective's kind.
             count: its element count.
             code: :func:`dtype_code` of its dtype.
-            arg: the op's index in :data:`~distopt.comm.base.REDUCE_OPS`, or the root.
+            arg: the op's index in :data:`~distopt.comm.base.REDUCE_OPS`, or the root; for
+                ``reduce_scatter`` and ``all_gather_into`` the op's index (0 for the
+                gather) plus 8 times :func:`~distopt.comm.base.counts_digest` of the counts.
             payload: flat uint8 view of the bytes to publish in this rank's
                 data segment, or None.
             skip: byte range of ``payload`` not to copy (no peer reads it).
@@ -279,7 +283,14 @@ class ControlRows:
         if op != "all_gather_v":
             fields.append(("element count", counts, str, control.DIFFERENT_COUNTS))
         fields.append(("dtype", codes, lambda i: str(_DTYPES[i]), None))
-        fields.append(("root", args, str, None) if op == "broadcast" else ("op", args, lambda i: REDUCE_OPS[i], None))
+        if op == "broadcast":
+            fields.append(("root", args, str, None))
+        elif op in _SHARDED:
+            fields.append(("op", [a % 8 for a in args], lambda i: REDUCE_OPS[i], None))
+            fields.append(("counts (as a CRC-32)", [a // 8 for a in args], lambda d: f"{d:#010x}",
+                           "ranks passed different counts"))
+        else:
+            fields.append(("op", args, lambda i: REDUCE_OPS[i], None))
         for field, values, show, hint in fields:
             if len(set(values)) > 1:
                 raise CollectiveMismatchError(mismatch_message(self._where(op, c), field, [show(v) for v in values],

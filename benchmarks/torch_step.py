@@ -1,0 +1,276 @@
+"""DistOpt over the torch backend against PyTorch DDP, under torchrun on one node.
+
+Run::
+
+    torchrun --nproc-per-node 2 benchmarks/torch_step.py                    # both workloads, full
+    torchrun --nproc-per-node 2 benchmarks/torch_step.py --workload gpt --quick
+
+Workloads (``--workload step``, ``gpt`` or ``both``):
+
+* ``step``: a module whose parameters have ResNet-50's 161 shapes
+  (:func:`step.resnet50_shapes`, 25,557,032 float32 elements) and whose loss
+  is ``sum_i (p_i * c_i).sum()`` with fixed N(0, 1) tensors ``c_i`` (a seed
+  per rank), so backward writes ``c_i`` into every ``.grad``. One iteration
+  is ``zero_grad``, forward, ``loss.backward()``, ``SGD.step()`` (momentum
+  0.9, weight decay 1e-4). Variants: ``ddp`` (``DistributedDataParallel``,
+  gloo, its defaults: 25 MiB buckets), ``distopt`` (``DistOpt(SGD,
+  backend="torch", model=...)``, the defaults: dense strategy, overlap),
+  ``ddp_view`` and ``distopt_view`` (both with ``gradient_as_bucket_view=True``)
+  and ``gloo`` (:func:`step.ddp_bucketed`: DDP's reducer without autograd,
+  communication only, a reference).
+* ``gpt``: a GPT-style decoder (token and position embeddings, pre-LN blocks
+  of causal self-attention and a 4x GELU MLP, a bias-free head) trained with
+  ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) on random tokens (a
+  seed per rank). One iteration is forward, cross-entropy, ``zero_grad``,
+  ``loss.backward()``, ``AdamW.step()``. Variants: ``ddp`` and ``distopt``.
+
+Every variant of a workload is built at the start from the same seed. The
+timed part is ``--rounds`` rounds; in each round every variant runs
+``--iters`` iterations, the variants' order alternating between rounds
+(A B, B A, ...), each iteration after a barrier. ``ms`` is the median over
+rounds of the round's mean iteration time (each iteration's time the max
+over ranks); ``x ddp`` is the median over rounds of the round's time over
+``ddp``'s in the same round. ``ctl/step`` is DistOpt's own control
+collectives per step (``stats["control_collectives"]``), ``buckets`` its
+bucket reductions per step.
+
+Writes ``benchmarks/results/torch_step.json`` (``--out``) with ``env``
+(load average at start and end), the config, and per workload and variant
+every round's time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import _common
+import numpy as np
+from step import ddp_bucketed, resnet50_shapes
+
+WORKLOADS = {"step": ("ddp", "distopt", "ddp_view", "distopt_view", "gloo"), "gpt": ("ddp", "distopt")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("step", "gpt", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="3 rounds of 3 iterations (default 12 rounds)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 12; 3 quick)")
+    p.add_argument("--iters", type=int, default=None, help="iterations per variant per round (default 5; 3 quick)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant first (default 3)")
+    p.add_argument("--variants", default=None, help="comma-separated variants to run (each workload runs "
+                   "those of its own; default: all)")
+    p.add_argument("--width-div", type=int, default=1, help="divide ResNet-50's widths (smoke runs)")
+    p.add_argument("--gpt", default="512,128,4,4,128,8",
+                   help="GPT vocab,d_model,heads,layers,seq_len,batch (default 512,128,4,4,128,8)")
+    p.add_argument("--out", type=Path, default=_common.default_out("torch_step"), help="JSON output path")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else 12)
+    args.iters = args.iters or (3 if args.quick else 5)
+    return args
+
+
+def shapes_model(torch: Any, shapes: list[tuple[int, ...]], rank: int) -> tuple[Any, Callable[[], Any]]:
+    """A module with one parameter per shape and its loss ``sum_i (p_i * c_i).sum()`` (``.grad`` = ``c_i``)."""
+    torch.manual_seed(99)
+    model = torch.nn.Module()
+    model.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s) * 0.01) for s in shapes)
+    g = torch.Generator().manual_seed(1234 + rank)
+    consts = [torch.randn(s, generator=g) for s in shapes]
+
+    def forward(module: Any) -> Any:
+        return sum((p * c).sum() for p, c in zip(module.ps, consts))
+
+    model.forward = lambda: forward(model)  # DDP calls module.forward through __call__
+    return model, forward
+
+
+def make_gpt(torch: Any, vocab: int, d_model: int, heads: int, layers: int, seq_len: int) -> Any:
+    """A GPT-style decoder: token + position embeddings, pre-LN blocks (causal attention, 4x GELU MLP)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+            self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+            self.fc1, self.fc2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+        def forward(self, x: Any) -> Any:
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+            x = x + self.proj(y)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+
+        def forward(self, idx: Any) -> Any:
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln(x))
+
+    torch.manual_seed(0)
+    return GPT()
+
+
+class Variant:
+    """One timed iteration function, and DistOpt's stats when it has them."""
+
+    def __init__(self, key: str, fn: Callable[[], Any], opt: Any = None, close: Callable[[], Any] = lambda: None
+                 ) -> None:
+        self.key, self.fn, self.opt, self.close = key, fn, opt, close
+        self.rounds: list[list[float]] = []
+        self.before: dict[str, float] = {}
+
+
+def step_variants(torch: Any, dist: Any, distopt: Any, keys: list[str], rank: int, size: int, width_div: int
+                  ) -> list[Variant]:
+    """The ``step`` workload's variants (see the module docs)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    shapes = resnet50_shapes(width_div=width_div)
+    out = []
+    for key in keys:
+        if key == "gloo":
+            g = np.random.default_rng(1234 + rank)
+            grads = [g.standard_normal(s, dtype=np.float32) for s in shapes]
+            out.append(Variant(key, ddp_bucketed(torch, dist, grads, 25.0, size)))
+            continue
+        model, forward = shapes_model(torch, shapes, rank)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        view = key.endswith("_view")
+        if key.startswith("ddp"):
+            net = DDP(model, gradient_as_bucket_view=view)
+            opt, call, close = sgd, (lambda net=net: net()), (lambda: None)
+        else:
+            opt = distopt.DistOpt(sgd, backend="torch", model=model, gradient_as_bucket_view=view)
+            call, close = (lambda model=model: forward(model)), opt.close
+
+        def iteration(opt: Any = opt, call: Callable[[], Any] = call) -> None:
+            opt.zero_grad()
+            call().backward()
+            opt.step()
+        out.append(Variant(key, iteration, opt if not key.startswith("ddp") else None, close))
+    return out
+
+
+def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str) -> tuple[list[Variant], int]:
+    """The ``gpt`` workload's variants and the model's parameter count."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    vocab, d_model, heads, layers, seq_len, batch = (int(v) for v in spec.split(","))
+    g = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    out, count = [], 0
+    for key in keys:
+        model = make_gpt(torch, vocab, d_model, heads, layers, seq_len)
+        count = sum(p.numel() for p in model.parameters())
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        if key == "ddp":
+            net, opt, dopt = DDP(model), adamw, None
+        else:
+            net, dopt = model, distopt.DistOpt(adamw, backend="torch", model=model)
+            opt = dopt
+
+        def iteration(net: Any = net, opt: Any = opt) -> None:
+            loss = torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out.append(Variant(key, iteration, dopt, dopt.close if dopt is not None else (lambda: None)))
+    return out, count
+
+
+def measure(torch: Any, dist: Any, variants: list[Variant], args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, run the interleaved rounds, and summarise (every rank; the times are max over ranks)."""
+    def timed() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        v.fn()
+        return time.perf_counter() - t0
+
+    for v in variants:
+        for _ in range(args.warmup):
+            v.fn()
+        v.before = dict(v.opt.stats) if v.opt is not None else {}
+    for r in range(args.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            v.rounds.append([timed() for _ in range(args.iters)])
+    results: dict[str, Any] = {}
+    for v in variants:
+        per_iter = torch.tensor(v.rounds, dtype=torch.float64)
+        dist.all_reduce(per_iter, op=dist.ReduceOp.MAX)
+        rec: dict[str, Any] = {"round_ms": (per_iter.mean(dim=1) * 1e3).tolist()}
+        rec["ms"] = float(np.median(rec["round_ms"]))
+        rec["min_ms"] = float(per_iter.min() * 1e3)
+        if v.opt is not None:
+            d = {k: v.opt.stats[k] - v.before.get(k, 0) for k in v.opt.stats}
+            steps = max(d["steps"], 1)
+            rec["control_per_step"] = d["control_collectives"] / steps
+            rec["buckets_per_step"] = d["buckets_started_in_backward"] / steps
+            rec["wait_ms_per_step"] = d["wait_seconds"] / steps * 1e3
+        results[v.key] = rec
+        v.close()
+    if "ddp" in results:
+        ddp = np.array(results["ddp"]["round_ms"])
+        for rec in results.values():
+            rec["x_ddp"] = float(np.median(np.array(rec["round_ms"]) / ddp))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    import distopt
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    env = _common.env_info(mpi=False) if rank == 0 else {}
+    workloads = ["step", "gpt"] if args.workload == "both" else [args.workload]
+    data: dict[str, Any] = {"benchmark": "torch_step", "world_size": size, "torch_threads": torch.get_num_threads(),
+                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                            "workloads": {}}
+    wanted = None if args.variants is None else {k for k in args.variants.split(",") if k}
+    unknown = (wanted or set()) - {k for w in workloads for k in WORKLOADS[w]}
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; choose from "
+                         + "; ".join(f"{w}: {', '.join(WORKLOADS[w])}" for w in workloads))
+    for w in workloads:
+        keys = [k for k in WORKLOADS[w] if wanted is None or k in wanted]
+        if w == "step":
+            variants, params = step_variants(torch, dist, distopt, keys, rank, size, args.width_div), None
+        else:
+            variants, params = gpt_variants(torch, distopt, keys, rank, args.gpt)
+        results = measure(torch, dist, variants, args)
+        data["workloads"][w] = {"params": params, "results": results}
+        if rank == 0:
+            what = ("ResNet-50's gradient shapes, SGD" if w == "step" else
+                    f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {params:,} parameters, AdamW")
+            title = (f"{w}: {what}; {size} processes, {_common.cpus()} CPUs, {torch.get_num_threads()} torch "
+                     f"thread(s); {args.rounds} rounds x {args.iters} iterations, interleaved")
+            rows = [[k, f"{r['ms']:.2f}", f"{r['min_ms']:.2f}", f"{r['x_ddp']:.3f}" if "x_ddp" in r else None,
+                     r.get("control_per_step"), r.get("buckets_per_step")] for k, r in results.items()]
+            print(_common.table(["variant", "ms", "min ms", "x ddp", "ctl/step", "buckets"], rows, title))
+    dist.destroy_process_group()
+    if rank == 0:
+        data["env"] = _common.finish_env(env)
+        print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
+        print(f"wrote {_common.write_json(args.out, data)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

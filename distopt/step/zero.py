@@ -1,0 +1,240 @@
+"""A sharded optimizer (ZeRO stages 1 and 2): each rank updates the segment of every bucket it owns.
+
+ZeRO (Rajbhandari, Rasley, Ruwase & He, SC 2020, "ZeRO: memory
+optimizations toward training trillion parameter models") and Megatron-LM's
+distributed optimizer. Per bucket of the step's layout (identical on every
+rank), rank ``r`` owns the contiguous segment ``[lo_r, hi_r)`` of the
+bucket's flat buffer, split by :func:`~distopt.comm.base.split_counts` (the
+first ``size % W`` ranks own one element more), so a tensor may span ranks
+and a rank's shard is one slice per bucket. A step:
+
+1. reduce-scatters each bucket (started during backward, as the dense
+   all-reduce is): a rank receives only its segment's average;
+2. the local optimizer updates only the pieces of parameters that fall in
+   this rank's segments (1-D views into the parameters, so its state has
+   1/W of the elements);
+3. all-gathers every bucket's parameters in place, so every rank holds
+   bitwise the same parameters again (:class:`ParamGather`; bucket by
+   bucket as the next forward reaches them with ``overlap_param_gather``).
+
+A reduce-scatter plus an all-gather move the bytes of one all-reduce (a
+ring sends ``(W-1)/W`` of the bucket in each). Stage 2 also releases each
+bucket's gradient buffer once its reduce-scatter has completed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..comm.base import Communicator, split_counts
+from ..core.buckets import Bucket, pack, unpack
+from ..strategies.base import GradientStrategy, Strategy
+
+__all__ = ["Piece", "ShardPlan", "plan_shards", "piece_views", "shard_grad_views", "ParamGather", "ZERO_STAGES",
+           "check_stage", "check_sharding"]
+
+#: The sharding stages: 0 (none: every rank updates everything), 1 (optimizer state), 2 (and gradients).
+ZERO_STAGES = (0, 1, 2)
+
+
+def check_stage(zero: Any) -> int:
+    """``zero`` as a stage, validated.
+
+    Raises:
+        ValueError: ``zero`` is not one of :data:`ZERO_STAGES`.
+    """
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES} (0: no sharding, 1: optimizer state, "
+                         f"2: optimizer state and gradients), got {zero!r}")
+    return int(zero)
+
+
+def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_gather: bool) -> int:
+    """``zero`` as a stage (:func:`check_stage`), checked against the strategy and an array optimizer.
+
+    Args:
+        zero: the requested stage.
+        strategy: the held strategy.
+        array_opt: the array optimizer (None for a PyTorch one, checked by
+            :func:`distopt.torch.zero.check_elementwise`).
+        overlap_param_gather: the option of the same name.
+
+    Raises:
+        ValueError: ``zero`` is not a stage; the strategy does not support
+            sharding; ``array_opt`` is not :class:`distopt.SGD` and does not
+            declare ``elementwise = True`` (its update sees 1-D pieces of
+            arrays); ``overlap_param_gather`` with an array optimizer (it
+            needs a PyTorch model's forward hooks).
+    """
+    zero = check_stage(zero)
+    if zero and not (isinstance(strategy, GradientStrategy) and strategy.supports_sharding):
+        raise ValueError(f"zero={zero} needs a strategy that supports sharding (Dense, Half), not {strategy.name!r}")
+    if zero and array_opt is not None:
+        _check_array(array_opt, zero, overlap_param_gather)
+    return zero
+
+
+def _check_array(opt: Any, zero: int, overlap_param_gather: bool) -> None:
+    kind = type(opt)
+    if not (f"{kind.__module__}.{kind.__name__}" == "distopt.optim.SGD" or getattr(kind, "elementwise", False) is True):
+        raise ValueError(f"zero={zero} hands the optimizer 1-D pieces of each array, so its update(param, grad) must "
+                         f"be elementwise; {kind.__name__} is not known to be: use distopt.SGD, or set "
+                         "`elementwise = True` on your optimizer class to declare it")
+    if overlap_param_gather:
+        raise ValueError("overlap_param_gather=True needs a torch.optim.Optimizer and model= (forward pre-hooks)")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls in this rank's segment of a bucket.
+
+    Attributes:
+        index: the parameter's position in the step's parameter list.
+        start: first ELEMENT of the piece in the flattened parameter.
+        stop: one past its last element (``stop > start``).
+        bucket: the bucket's index in the layout.
+        offset: first element of the piece in this rank's segment of the bucket.
+    """
+
+    index: int
+    start: int
+    stop: int
+    bucket: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        """Elements in the piece."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one bucket layout is split across the ranks, seen from one rank.
+
+    Attributes:
+        counts: per bucket, the ELEMENTS each rank owns (``len == W``).
+        lows: per bucket, the first element this rank owns.
+        pieces: this rank's pieces, bucket by bucket, in slot order.
+    """
+
+    counts: tuple[tuple[int, ...], ...]
+    lows: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    def owned(self, rank: int) -> int:
+        """Elements rank ``rank`` owns over all buckets."""
+        return sum(c[rank] for c in self.counts)
+
+
+def plan_shards(buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
+    """Split every bucket over ``size`` ranks and list the pieces ``rank`` owns.
+
+    Args:
+        buckets: the layout's float buckets (identical on every rank).
+        rank: this rank, ``0 <= rank < size``.
+        size: the world size.
+    """
+    counts, lows, pieces = [], [], []
+    for b, bucket in enumerate(buckets):
+        c = tuple(split_counts(bucket.size, size))
+        lo = sum(c[:rank])
+        hi = lo + c[rank]
+        counts.append(c)
+        lows.append(lo)
+        for s in bucket.slots:
+            start, stop = max(lo, s.offset), min(hi, s.offset + s.size)
+            if stop > start:
+                pieces.append(Piece(s.index, start - s.offset, stop - s.offset, b, start - lo))
+    return ShardPlan(tuple(counts), tuple(lows), tuple(pieces))
+
+
+def piece_views(plan: ShardPlan, arrays: Sequence[Any]) -> list[Any]:
+    """One 1-D view per piece into ``arrays`` (C-contiguous; writing a view writes the array)."""
+    return [arrays[p.index].reshape(-1)[p.start:p.stop] for p in plan.pieces]
+
+
+def shard_grad_views(plan: ShardPlan, segments: dict[int, Any]) -> list[Any]:
+    """One 1-D view per piece into the reduced segments (``segments[b]``: this rank's part of bucket b)."""
+    return [segments[p.bucket][p.offset:p.offset + p.size] for p in plan.pieces]
+
+
+class ParamGather:
+    """The all-gather of a layout's parameters after a sharded update, bucket by bucket.
+
+    Each bucket's flat buffer is the lone parameter itself (C-contiguous),
+    or a packed copy that is unpacked when the bucket's gather has
+    completed. Buckets are started last to first (the layout walks
+    parameters in reverse, so the last bucket holds the first layers: the
+    ones the next forward needs first).
+
+    Args:
+        comm: the communicator (``all_gather_into``; ``all_gather_into_async``
+            where the backend has it).
+        buckets: the layout's float buckets.
+        plan: the layout's :class:`ShardPlan`.
+        params: the parameters (arrays), in the step's order.
+        buffers: packing buffers by bucket index (reused; new ones are added).
+        context: wraps collective errors with the step and the bucket.
+        asynchronous: start every gather now and complete each at
+            :meth:`wait` (``overlap_param_gather``); False completes them
+            all in :meth:`start`.
+
+    Attributes:
+        gathered_bytes: BYTES of the buckets gathered (the buckets' sizes).
+    """
+
+    def __init__(self, comm: Communicator, buckets: Sequence[Bucket], plan: ShardPlan, params: Sequence[Any],
+                 buffers: dict[int, Any], context: Callable[[str], Any], asynchronous: bool) -> None:
+        self.comm, self.buckets, self.plan, self.params = comm, buckets, plan, list(params)
+        self.buffers, self.context, self.asynchronous = buffers, context, asynchronous
+        self._pending: dict[int, tuple[Any, Any, bool]] = {}
+        self.gathered_bytes = 0
+
+    def _where(self, b: int) -> str:
+        return f"parameter all-gather, bucket {b + 1} of {len(self.buckets)}"
+
+    def start(self) -> None:
+        """Start (or, not asynchronous, complete) the gather of every bucket, last bucket first."""
+        native = getattr(self.comm, "all_gather_into_async", None) if self.asynchronous else None
+        for b in reversed(range(len(self.buckets))):
+            bucket = self.buckets[b]
+            flat, viewed = pack(bucket, self.params, self.buffers.get(b))
+            if not viewed:
+                self.buffers[b] = flat
+            self.gathered_bytes += int(flat.nbytes)
+            with self.context(self._where(b)):
+                if native is None:
+                    self.comm.all_gather_into(flat, self.plan.counts[b])
+                    handle = None
+                else:
+                    handle = native(flat, self.plan.counts[b])
+            self._pending[b] = (handle, flat, viewed)
+            if native is None:
+                self.wait(b)
+
+    def buckets_of(self, indices: set[int]) -> list[int]:
+        """The pending buckets holding any of the parameters ``indices``."""
+        return [b for b in self._pending if any(s.index in indices for s in self.buckets[b].slots)]
+
+    def wait(self, b: int) -> None:
+        """Complete bucket ``b``'s gather (a no-op when it has completed)."""
+        entry = self._pending.pop(b, None)
+        if entry is None:
+            return
+        handle, flat, viewed = entry
+        if handle is not None:
+            with self.context(self._where(b)):
+                handle.wait()
+        if not viewed:
+            unpack(self.buckets[b], flat, self.params)
+
+    def wait_all(self) -> None:
+        """Complete every pending gather."""
+        for b in list(self._pending):
+            self.wait(b)
+
+    @property
+    def pending(self) -> bool:
+        """True while some bucket's gather has not completed."""
+        return bool(self._pending)

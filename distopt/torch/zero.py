@@ -1,0 +1,306 @@
+"""A sharded optimizer over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=1|2)``).
+
+The inner optimizer keeps its class, parameter groups and
+hyper-parameters (LR schedulers work unchanged) but, from the end of each
+synchronizing backward until its ``step()`` returns, its groups hold this
+rank's *shard tensors*: 1-D views into the parameters, one per piece of a
+parameter that falls in this rank's segment of a bucket
+(:mod:`distopt.step.zero`), whose ``.grad`` is a view into the reduced
+segment. So ``step()`` updates only this rank's pieces and the optimizer's
+state (momentum, Adam's moments) holds 1/W of the elements; ``GradScaler``
+unscales and checks the shard gradients; then the parameters are
+all-gathered. The update must be elementwise (see
+:func:`check_elementwise`).
+
+After the reduction, ``.grad`` of a parameter holds (stage 1) this rank's
+segment of the average and zeros elsewhere, or (stage 2) None: the
+gradient lives only in distopt's segments. Clip with
+``DistOpt.clip_grad_norm_`` (the global norm from the shards).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..step.engine import Outcome
+from ..step.pipeline import BucketPipeline
+from ..step.runner import StepRunner
+from ..step.zero import ParamGather, ShardPlan
+from .adapter import TorchOptimizer, as_array, as_tensor
+
+__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "gather_objects", "ELEMENTWISE"]
+
+#: torch.optim classes whose update is elementwise (each element's new value depends on that element only).
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+
+
+def check_elementwise(optimizer: Any, zero: int) -> None:
+    """Refuse an optimizer whose update needs whole tensors.
+
+    A class counts as elementwise when it is one of :data:`ELEMENTWISE` in
+    ``torch.optim``, or declares ``elementwise = True``.
+
+    Raises:
+        ValueError: the optimizer is not known to update elementwise
+            (L-BFGS, LARS/LAMB trust ratios, Adafactor's factored moments,
+            any per-tensor norm), or a parameter group has ``differentiable=True``.
+    """
+    kind = type(optimizer)
+    known = kind.__module__.startswith("torch.optim") and kind.__name__ in ELEMENTWISE
+    if not (known or getattr(kind, "elementwise", False) is True):
+        raise ValueError(f"zero={zero} hands the optimizer 1-D pieces of each tensor, so its update must be "
+                         f"elementwise; {kind.__module__}.{kind.__name__} is not known to be (L-BFGS, LARS/LAMB "
+                         "trust ratios and other per-tensor norms are not). Elementwise: torch.optim."
+                         f"{', '.join(ELEMENTWISE)}; set `elementwise = True` on your own optimizer class to "
+                         "declare it, or use zero=0")
+
+
+class ShardedTorchStep:
+    """Shard tensors, the swap of the inner optimizer's groups, and the parameter all-gather.
+
+    Args:
+        runner: the step runner (its gather and counters).
+        local: the torch local optimizer.
+        stage: 1 or 2.
+        overlap_param_gather: leave each bucket's gather in flight until the
+            next forward reaches its parameters (see :meth:`hook_model`).
+
+    Attributes:
+        swapped: the inner optimizer's groups hold the shard tensors now.
+    """
+
+    def __init__(self, runner: StepRunner, local: TorchOptimizer, stage: int, overlap_param_gather: bool) -> None:
+        self.runner, self.local, self.stage, self.overlap = runner, local, stage, overlap_param_gather
+        self.swapped = False
+        self._real: list[list[Any]] = []
+        self._key: tuple[Any, ...] | None = None
+        self.plan: ShardPlan | None = None
+        self.tensors: list[Any] = []  # the parameters of the plan, in the step's order
+        self.shards: list[Any] = []  # one shard tensor per piece of the plan
+        self._groups: list[int] = []  # the parameter group of each piece
+        self._pipeline: BucketPipeline | None = None
+        self._gather: ParamGather | None = None
+        self.restore: Any = None  # called once the first plan is bound (a checkpoint loaded before it)
+        self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
+
+    # ------------------------------------------------------- shard tensors
+    def _bind(self, plan: ShardPlan, tensors: Sequence[Any]) -> None:
+        """Shard tensors for ``plan``'s pieces. A new layout (``requires_grad`` changed, a group added)
+        re-shards the state: every rank's pieces are consolidated (collective: every rank binds the new
+        layout at the same step) and each rank takes its new pieces."""
+        key = (id(plan), tuple(id(t) for t in tensors))
+        if key == self._key:
+            return
+        state = self.local.optimizer.state
+        full = None
+        if self.plan is not None:
+            shapes = [tuple(p.shape) for p in self.local.params()]
+            full = consolidate(gather_objects(self.runner.engine.comm, self.pieces()), shapes)
+            for s in self.shards:
+                state.pop(s, None)
+        group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
+        self.shards = [tensors[p.index].detach().view(-1)[p.start:p.stop] for p in plan.pieces]
+        self._key, self.plan, self.tensors = key, plan, list(tensors)
+        self._groups = [group_of[id(tensors[p.index])] for p in plan.pieces]
+        if full:
+            self.load_full(full, self.local.params())
+        if self.restore is not None:  # a state loaded before the first sharded step
+            restore, self.restore = self.restore, None
+            restore()
+
+    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], outcome: Outcome) -> None:
+        """After a sharded reduction: set ``.grad`` (see the module docs) and swap the shard tensors in."""
+        plan = pipeline.shards
+        assert plan is not None
+        self.swap_out()
+        self._bind(plan, tensors)
+        self._pipeline = pipeline
+        for t, ok in zip(tensors, outcome.present):
+            if not outcome.applies or not ok or self.stage == 2:
+                t.grad = None
+            elif t.grad is None:
+                t.grad = t.detach().new_zeros(t.shape)
+            else:
+                t.grad.zero_()
+        if not outcome.applies:
+            return
+        held = 0
+        for seg in pipeline.segments.values():
+            held += int(seg.nbytes) if getattr(seg, "base", None) is None else 0
+        self.runner.segment_bytes = held
+        for p, s in zip(plan.pieces, self.shards):
+            if outcome.present[p.index]:
+                s.grad = as_tensor(pipeline.segments[p.bucket])[p.offset:p.offset + p.size]
+                t = tensors[p.index]
+                if self.stage == 1:
+                    t.grad.view(-1)[p.start:p.stop] = s.grad
+            else:
+                s.grad = None
+        self._swap_in()
+
+    def _swap_in(self) -> None:
+        groups = self.local.optimizer.param_groups
+        self._real = [group["params"] for group in groups]
+        mine: list[list[Any]] = [[] for _ in groups]
+        for s, g in zip(self.shards, self._groups):
+            mine[g].append(s)
+        for group, shards in zip(groups, mine):
+            group["params"] = shards
+        self.swapped = True
+        self.local.real_groups = self._real
+
+    def swap_out(self) -> None:
+        """Give the inner optimizer its own parameter lists back (a no-op when not swapped)."""
+        if not self.swapped:
+            return
+        for group, params in zip(self.local.optimizer.param_groups, self._real):
+            group["params"] = params
+        self.swapped, self._real = False, []
+        self.local.real_groups = None
+
+    @contextmanager
+    def unswapped(self) -> Iterator[None]:
+        """The inner optimizer with its own groups inside the block (a state dict between backward and
+        ``step()``), swapped back after it if it was."""
+        was = self.swapped
+        self.swap_out()
+        try:
+            yield
+        finally:
+            if was:
+                self._swap_in()
+
+    # ---------------------------------------------------------- the gather
+    def after_step(self, applied: bool) -> None:
+        """After the inner ``step()``: swap back, drop the shard gradients, gather the parameters."""
+        self.swap_out()
+        pipeline, self._pipeline = self._pipeline, None
+        for s in self.shards:
+            s.grad = None
+        if not applied or pipeline is None:
+            return
+        self.wait()
+        arrays = [as_array(t) for t in self.tensors]
+        self._gather = self.runner.gather(pipeline, arrays, asynchronous=self.overlap)
+
+    def wait(self, tensors: Sequence[Any] | None = None) -> None:
+        """Complete the parameter gathers still in flight: all of them, or those holding ``tensors``."""
+        gather = self._gather
+        if gather is None:
+            return
+        if tensors is None:
+            gather.wait_all()
+        else:
+            index = {id(t): i for i, t in enumerate(self.tensors)}
+            for b in gather.buckets_of({index[id(t)] for t in tensors if id(t) in index}):
+                gather.wait(b)
+        if not gather.pending:
+            self._gather = None
+
+    def hook_model(self, model: Any) -> list[Any]:
+        """Forward pre-hooks on every module of ``model`` that owns parameters: each waits for the
+        gathers of its own parameters (``overlap_param_gather``); ``model.state_dict()`` waits for all.
+        Returns the hook handles."""
+        handles = [model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())]
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            if own:
+                handles.append(module.register_forward_pre_hook(lambda m, args, own=own: self.wait(own)))
+        return handles
+
+    # ---------------------------------------------------------- clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Scale the shard gradients so the global ``norm_type`` norm is at most ``max_norm`` (collective:
+        one all-reduce of the shards' norms; ``torch.nn.utils.clip_grad_norm_``'s formula). Returns the
+        global norm (a 0-dim float32 tensor)."""
+        import torch
+
+        grads = [s.grad for s in self.shards if s.grad is not None] if self.swapped else []
+        p = float(norm_type)
+        inf = p == float("inf")
+        local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0) if inf else \
+            sum(float(torch.linalg.vector_norm(g, p, dtype=torch.float64)) ** p for g in grads)
+        total = np.array([local], dtype=np.float64)
+        self.runner.engine.comm.all_reduce(total, op="max" if inf else "sum")
+        norm = float(total[0]) if inf else float(total[0]) ** (1.0 / p)
+        coef = min(float(max_norm) / (norm + 1e-6), 1.0)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        return torch.tensor(norm, dtype=torch.float32)
+
+    # ---------------------------------------------------------- checkpoints
+    def pieces(self) -> list[tuple[int, int, int, Any]]:
+        """``(parameter number, start, stop, state)`` of every piece this rank owns, the parameter number
+        counted over the inner optimizer's own groups, the state the optimizer's entry for the piece; a
+        parameter outside the layout now (frozen) appears whole, with the state it had."""
+        parked = [(n, 0, int(np.prod(entry["_shape"])), {k: v for k, v in entry.items() if k != "_shape"})
+                  for n, entry in self._parked.items()]
+        if self.plan is None:
+            return parked
+        number = {id(p): i for i, p in enumerate(self.local.params())}
+        state = self.local.optimizer.state
+        return [(number[id(self.tensors[p.index])], p.start, p.stop, state.get(s, {}))
+                for p, s in zip(self.plan.pieces, self.shards)] + parked
+
+    def load_full(self, full_state: dict[int, dict[str, Any]], params: Sequence[Any]) -> int:
+        """Take this rank's pieces of a consolidated per-parameter state (numbered as :meth:`pieces`);
+        returns the pieces restored. Tensors of a parameter's size are sliced, the rest copied."""
+        import torch
+
+        if self.plan is None:
+            return 0
+        number = {id(p): i for i, p in enumerate(params)}
+        covered = {number[id(t)] for t in self.tensors}  # in the layout (on some rank)
+        self._parked = {n: {**{k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.numel() == params[n].numel()
+                               and v.dim() > 0 else v for k, v in entry.items()}, "_shape": tuple(params[n].shape)}
+                        for n, entry in full_state.items() if n not in covered and entry}
+        state = self.local.optimizer.state
+        done = 0
+        for p, s in zip(self.plan.pieces, self.shards):
+            entry = full_state.get(number[id(self.tensors[p.index])])
+            if entry is None:
+                continue
+            numel = self.tensors[p.index].numel()
+            state[s] = {k: (v.reshape(-1)[p.start:p.stop].clone() if isinstance(v, torch.Tensor) and v.numel() == numel
+                            and v.dim() > 0 else v.clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in entry.items()}
+            done += 1
+        return done
+
+
+def consolidate(entries: Sequence[Sequence[tuple[int, int, int, Any]]], shapes: Sequence[Any]) -> dict[int, dict]:
+    """Per-parameter state in torch's layout from every rank's :meth:`ShardedTorchStep.pieces`.
+
+    Tensors of a piece's size are placed at its elements of a tensor of the
+    parameter's shape; other values (``step``) are taken from the first piece.
+    """
+    import torch
+
+    full: dict[int, dict[str, Any]] = {}
+    for rank_pieces in entries:
+        for number, start, stop, state in rank_pieces:
+            if not state:  # no update yet
+                continue
+            entry = full.setdefault(number, {})
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == stop - start:
+                    if k not in entry:
+                        entry[k] = torch.zeros(int(np.prod(shapes[number])), dtype=v.dtype)
+                    entry[k][start:stop] = v
+                elif k not in entry:
+                    entry[k] = v
+    for number, entry in full.items():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == int(np.prod(shapes[number])):
+                entry[k] = v.reshape(shapes[number])
+    return full
+
+
+def gather_objects(comm: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (pickled; collective), in rank order."""
+    import pickle
+
+    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    return [pickle.loads(part.tobytes()) for part in comm.all_gather_v(blob)]

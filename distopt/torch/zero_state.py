@@ -1,0 +1,126 @@
+"""A sharded torch optimizer's checkpoints (:class:`ShardedState`) and its wiring into DistOpt (:func:`attach`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..step.runner import StepRunner
+from .adapter import TorchOptimizer
+from .zero import ShardedTorchStep, check_elementwise, consolidate, gather_objects
+
+__all__ = ["ShardedState", "attach"]
+
+
+class ShardedState:
+    """The checkpoint state of a sharded torch optimizer, in torch's layout.
+
+    :meth:`state_dict` consolidates every rank's pieces into full tensors
+    (collective: one all-gather of the pickled pieces), so the result loads
+    into the same optimizer unsharded, at any world size, or into plain
+    torch; ``sharded=True`` gives this rank's pieces only, under
+    ``"distopt_shard"`` (``{"world_size", "rank", "pieces"}``, each piece
+    ``(parameter number, start, stop, state)``).
+
+    Args:
+        shards: the :class:`ShardedTorchStep`.
+        comm: the communicator.
+    """
+
+    def __init__(self, shards: ShardedTorchStep, comm: Any) -> None:
+        self.shards, self.comm = shards, comm
+        self._pending: dict[int, dict[str, Any]] | None = None
+
+    def _as_torch(self, per_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        from collections import defaultdict
+
+        opt = self.shards.local.optimizer
+        params = self.shards.local.params()
+        saved = opt.state
+        opt.state = defaultdict(dict, {params[n]: entry for n, entry in per_param.items()})
+        try:
+            return opt.state_dict()
+        finally:
+            opt.state = saved
+
+    def state_dict(self, sharded: bool) -> dict[str, Any]:
+        """The optimizer's state: consolidated (collective), or this rank's pieces with ``sharded``."""
+        self.shards.wait()
+        with self.shards.unswapped():
+            return self._state_dict(sharded)
+
+    def _state_dict(self, sharded: bool) -> dict[str, Any]:
+        pieces = self.shards.pieces()
+        if sharded:
+            return {**self._as_torch({}), "distopt_shard": {"world_size": self.comm.size, "rank": self.comm.rank,
+                                                            "pieces": pieces}}
+        shapes = [tuple(p.shape) for p in self.shards.local.params()]
+        full = consolidate(gather_objects(self.comm, pieces), shapes)
+        if self._pending is not None:  # restored before any step: not re-sharded yet
+            full = {**self._pending, **full}
+        return self._as_torch(full)
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore a consolidated state (any world size), this rank's own sharded state, or the list of
+        every rank's sharded states (any world size).
+
+        Raises:
+            ValueError: a single sharded state of another rank or world size.
+        """
+        self.shards.wait()
+        with self.shards.unswapped():
+            self._load(state)
+
+    def _load(self, state: Any) -> None:
+        opt = self.shards.local.optimizer
+        params = self.shards.local.params()
+        if isinstance(state, (list, tuple)):
+            shapes = [tuple(p.shape) for p in params]
+            full = consolidate([s["distopt_shard"]["pieces"] for s in state], shapes)
+            opt.load_state_dict(self._as_torch(full) | {"param_groups": state[0]["param_groups"]})
+        elif "distopt_shard" in state:
+            mine = state["distopt_shard"]
+            if (mine["world_size"], mine["rank"]) != (self.comm.size, self.comm.rank):
+                raise ValueError(f"state is rank {mine['rank']} of {mine['world_size']}'s shard; this is rank "
+                                 f"{self.comm.rank} of {self.comm.size}: load the list of every rank's sharded "
+                                 "state, or a consolidated one")
+            shapes = [tuple(p.shape) for p in params]
+            opt.load_state_dict({**self._as_torch(consolidate([mine["pieces"]], shapes)),
+                                 "param_groups": state["param_groups"]})
+        else:
+            opt.load_state_dict(state)
+        full = {n: opt.state.pop(p) for n, p in enumerate(params) if p in opt.state}
+        for s in self.shards.shards:
+            opt.state.pop(s, None)
+        if self.shards.plan is None:
+            self._pending = full
+            self.shards.restore = self._restore_pending
+        else:
+            self.shards.load_full(full, params)
+
+    def _restore_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending:
+            self.shards.load_full(pending, self.shards.local.params())
+
+
+def attach(runner: StepRunner, local: TorchOptimizer, follower: Any, state: Any, zero: int,
+           overlap_param_gather: bool, model: Any, bucket_view: bool) -> ShardedTorchStep:
+    """Make ``follower``'s steps sharded (``DistOpt(torch_opt, zero=1|2)``) and ``state`` consolidate them.
+
+    Raises:
+        ValueError: the optimizer is not elementwise (:func:`check_elementwise`);
+            ``zero=2`` with ``gradient_as_bucket_view`` (whose buckets keep the
+            whole gradient); ``overlap_param_gather`` without ``model=``.
+    """
+    check_elementwise(local.optimizer, zero)
+    if zero == 2 and bucket_view:
+        raise ValueError("zero=2 frees each gradient bucket once reduced; gradient_as_bucket_view=True keeps every "
+                         "bucket as .grad memory: use zero=1 with it, or gradient_as_bucket_view=False")
+    if overlap_param_gather and model is None:
+        raise ValueError("overlap_param_gather=True waits for each bucket's gather in the forward pre-hooks of "
+                         "model=; pass model=your_module")
+    shards = ShardedTorchStep(runner, local, zero, overlap_param_gather)
+    follower.zero = shards
+    state.sharding = ShardedState(shards, runner.engine.comm)
+    if overlap_param_gather:
+        local.handles.extend(shards.hook_model(model))
+    return shards

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import _common
 import numpy as np
+from netsim_worker import make_gpt
 from step import ddp_bucketed, resnet50_shapes
 
 WORKLOADS = {"step": ("ddp", "distopt", "ddp_view", "distopt_view", "gloo"), "gpt": ("ddp", "distopt")}
@@ -85,41 +86,6 @@ def shapes_model(torch: Any, shapes: list[tuple[int, ...]], rank: int) -> tuple[
 
     model.forward = lambda: forward(model)  # DDP calls module.forward through __call__
     return model, forward
-
-
-def make_gpt(torch: Any, vocab: int, d_model: int, heads: int, layers: int, seq_len: int) -> Any:
-    """A GPT-style decoder: token + position embeddings, pre-LN blocks (causal attention, 4x GELU MLP)."""
-    nn, F = torch.nn, torch.nn.functional
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-            self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-            self.fc1, self.fc2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-        def forward(self, x: Any) -> Any:
-            b, t, c = x.shape
-            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-            x = x + self.proj(y)
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
-
-        def forward(self, idx: Any) -> Any:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.ln(x))
-
-    torch.manual_seed(0)
-    return GPT()
 
 
 class Variant:
@@ -173,7 +139,8 @@ def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str
     x, y = tokens[:, :-1], tokens[:, 1:]
     out, count = [], 0
     for key in keys:
-        model = make_gpt(torch, vocab, d_model, heads, layers, seq_len)
+        torch.manual_seed(0)
+        model = make_gpt(vocab, d_model, heads, layers, seq_len)
         count = sum(p.numel() for p in model.parameters())
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         if key == "ddp":

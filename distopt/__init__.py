@@ -7,6 +7,9 @@ optimizer exists (e.g. to scale the learning rate by the world size). See the RE
 """
 from __future__ import annotations
 
+from typing import Any
+
+from .async_collectives import CollectiveHandle
 from .checkpoint import load, save
 from .data import DistributedSampler, eval_partition_indices, partition, partition_indices
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
@@ -15,7 +18,8 @@ from .launch.logs import setup_logging
 from .opt import DistOpt
 from .launch.nccl_id import NcclIdHolder
 from .optim import SGD
-from .launch.world import World, init
+from .comm.groups import Group
+from .launch.world import World, init, new_group
 
 __all__ = [
     "DistOpt",
@@ -35,5 +39,20 @@ __all__ = [
     "setup_logging",
     "init",
     "World",
+    "Group",
+    "new_group",
+    "CollectiveHandle",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-only names (``SyncBatchNorm``, ``convert_sync_batchnorm``), imported on first use (PEP 562),
+    so ``import distopt`` does not import torch."""
+    if name in ("SyncBatchNorm", "convert_sync_batchnorm"):
+        from .torch import sync_batchnorm
+
+        return getattr(sync_batchnorm, name)
+    raise AttributeError(f"module 'distopt' has no attribute {name!r}")

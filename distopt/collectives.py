@@ -1,24 +1,45 @@
 """Collectives on the user's own arrays, objects and parameters: what ``DistOpt.all_reduce`` and its
-siblings delegate to."""
+siblings delegate to.
+
+The array collectives (:meth:`Collectives.all_reduce`, ``broadcast``,
+``all_gather``, ``reduce_scatter``, ``all_to_all``) run the checked code of
+:mod:`distopt.array_collectives` (arguments agreed across ranks first), on
+DistOpt's communicator or a process group's (``group=``); with
+``async_op=True`` on a dedicated communicator and worker thread
+(:mod:`distopt.async_collectives`), returning a
+:class:`~distopt.async_collectives.CollectiveHandle`.
+
+Integer averaging: ``op="avg"`` on an integer or bool array is a TypeError
+on every rank (naming the rank), never a silent truncation; Horovod's
+PyTorch binding floor-divides the sum instead. Use ``op="sum"`` and divide.
+"""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from . import array_collectives as checked
+from .async_collectives import AsyncCollectives, CollectiveHandle
+from .comm.base import Communicator
+from .comm.groups import Group, communicator_of
 from .core.buckets import is_float, plan_buckets
-from .comm.base import Communicator, check_reduce_args
-from .errors import CollectiveMismatchError
-from .step.agreement import digest
 from .metrics import all_gather_object, broadcast_object, reduce_metrics
 from .step.engine import DEFAULT_THRESHOLD, Engine
 from .step.local import LocalOptimizer
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "CollectiveHandle"]
 
 
 class Collectives:
-    """Raw collectives over one DistOpt's communicator, and its parameter broadcast and averaging.
+    """Raw collectives over one DistOpt's communicator (or a process group), and its parameter broadcast
+    and averaging.
+
+    Every array collective takes ``group=`` (a :class:`~distopt.comm.groups.Group`: it runs on the
+    group's communicator, ValueError on a rank outside it; the argument agreement runs over the group)
+    and ``async_op=`` (True: returns a :class:`~distopt.async_collectives.CollectiveHandle` whose
+    ``wait()`` gives the result and raises the errors listed, on every rank). Arrays: NumPy, CuPy or
+    torch tensors (results of the input's kind, dtype and device); counts in ELEMENTS.
 
     Args:
         comm: the communicator.
@@ -29,70 +50,93 @@ class Collectives:
 
     def __init__(self, comm: Communicator, engine: Engine, local: LocalOptimizer) -> None:
         self.comm, self.engine, self.local = comm, engine, local
+        self._async = AsyncCollectives()
 
-    def all_reduce(self, array: Any, op: str = "sum") -> Any:
-        """In-place all-reduce of one array or contiguous torch tensor (sum by default), zero-copy.
+    def _run(self, call: str, fn: Callable[..., Any], group: Group | None, async_op: bool, *args: Any) -> Any:
+        comm = self._comm(group, call)
+        if async_op:
+            return self._async.submit(comm, call, fn, *args)
+        return fn(comm, *args)
 
-        The ranks first agree on the call (one small all-gather of its
-        shape, dtype, op and whether its arguments are valid here), so a bad
-        argument or a shape that differs is raised on every rank at once.
+    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
+        """In-place all-reduce of one array or contiguous torch tensor (any shape), zero-copy.
+
+        Args:
+            op: ``"sum"``, ``"avg"`` (floats only), ``"max"``, ``"min"``.
 
         Returns:
-            ``array`` itself, holding the result.
+            ``array`` itself, holding the result (or a handle whose ``wait()`` returns it).
 
         Raises:
             TypeError / ValueError: on every rank, naming the rank whose
-                argument is bad (an unsupported op or dtype, a
-                non-contiguous or sparse tensor).
+                argument is bad (an unsupported op or dtype, ``"avg"`` on
+                integers, a non-contiguous or sparse tensor).
             CollectiveMismatchError: on every rank, the shape, dtype or op
                 differs across ranks.
         """
-        view = self._agreed("all_reduce", array, op=op)
-        self.comm.all_reduce(view, op=op)
-        return array
+        return self._run("all_reduce", checked.all_reduce, group, async_op, array, op)
 
-    def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast of one array or contiguous torch tensor from ``root``; returns ``array``.
+    def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """In-place broadcast of one array or contiguous torch tensor from ``root`` (a rank of ``group``
+        when given); returns ``array``.
 
         Raises:
             TypeError / ValueError / CollectiveMismatchError: as :meth:`all_reduce`, on every rank.
         """
-        view = self._agreed("broadcast", array, root=root)
-        self.comm.broadcast(view, root=root)
-        return array
+        return self._run("broadcast", checked.broadcast, group, async_op, array, root)
 
-    def _agreed(self, call: str, array: Any, **args: Any) -> Any:
-        """The array view of ``array``, once every rank has checked its arguments and they match."""
-        view, problem = None, ""
-        try:
-            view = _view(array)
-            if call == "all_reduce":
-                check_reduce_args(view, args["op"])
-            elif not 0 <= args["root"] < self.comm.size:
-                raise ValueError(f"root must be in [0, {self.comm.size}), got {args['root']}")
-        except (TypeError, ValueError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        mine = [problem, list(getattr(array, "shape", ())), str(getattr(array, "dtype", "")), args]
-        header = np.array([int(bool(problem)), digest(mine[1:])], dtype=np.int64)
-        everyone = self.comm.all_gather(header)
-        if everyone[:, 0].any() or (everyone[:, 1] != everyone[0, 1]).any():
-            _raise_everywhere(call, all_gather_object(self.comm, mine))
-        return view
+    def all_gather(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """Every rank's rows in rank order: a new array/tensor of shape ``(sum of the ranks' shape[0],
+        *shape[1:])``; the first dimension may differ across ranks (Horovod's ``allgather``).
 
-    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, Any]:
+        Raises:
+            ValueError: on every rank, a 0-d array on some rank.
+            TypeError: on every rank, as :meth:`all_reduce`.
+            CollectiveMismatchError: on every rank, ``shape[1:]`` or the dtype differs (naming the ranks and
+                shapes).
+        """
+        return self._run("all_gather", checked.all_gather, group, async_op, array)
+
+    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
+                       async_op: bool = False) -> Any:
+        """This rank's chunk of the reduction (``torch.distributed.reduce_scatter_tensor``): ``shape[0]``
+        split into W equal chunks; returns a new array of shape ``(shape[0] // W, *shape[1:])``, chunk
+        ``rank`` of the elementwise reduction; ``array`` is unchanged.
+
+        Raises:
+            ValueError: ``shape[0]`` not divisible by W, a 0-d array, an unknown op.
+            TypeError / CollectiveMismatchError: as :meth:`all_reduce` (equal shapes). All on every rank.
+        """
+        return self._run("reduce_scatter", checked.reduce_scatter, group, async_op, array, op)
+
+    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """``shape[0]`` split into W equal chunks, chunk ``j`` sent to rank ``j``
+        (``torch.distributed.all_to_all_single``); returns a new array of ``array``'s shape whose chunk
+        ``i`` came from rank ``i``.
+
+        Raises:
+            ValueError / TypeError / CollectiveMismatchError: as :meth:`reduce_scatter`, on every rank.
+        """
+        return self._run("all_to_all", checked.all_to_all, group, async_op, array)
+
+    def _comm(self, group: Group | None, call: str) -> Communicator:
+        return self.comm if group is None else communicator_of(group, call)
+
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
+                           group: Group | None = None) -> dict[str, Any]:
         """Sum metrics (scalars or vectors) over ranks (means for names in ``mean``); see
         :func:`distopt.metrics.reduce_metrics`."""
-        return reduce_metrics(self.comm, metrics, mean)
+        return reduce_metrics(self._comm(group, "all_reduce_metrics"), metrics, mean)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order, on every rank; see :func:`distopt.metrics.all_gather_object`."""
-        return all_gather_object(self.comm, obj)
+    def all_gather_object(self, obj: Any, *, group: Group | None = None) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank (:func:`distopt.metrics.all_gather_object`)."""
+        return all_gather_object(self._comm(group, "all_gather_object"), obj)
 
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
         """Send a picklable object from ``root`` to every rank; see :func:`distopt.metrics.broadcast_object`."""
-        return broadcast_object(self.comm, obj, root)
+        return broadcast_object(self._comm(group, "broadcast_object"), obj, root)
 
-    def agree(self, flag: bool, rule: str = "any") -> bool:
+    def agree(self, flag: bool, rule: str = "any", *, group: Group | None = None) -> bool:
         """A decision every rank takes together (early stopping).
 
         Args:
@@ -108,12 +152,13 @@ class Collectives:
         """
         if rule not in ("any", "all", "root"):
             raise ValueError(f"rule must be 'any', 'all' or 'root', got {rule!r}")
+        comm = self._comm(group, "agree")
         vote = np.array([bool(flag)], dtype=np.int32)
         if rule == "root":
-            self.comm.broadcast(vote, root=0)
+            comm.broadcast(vote, root=0)
             return bool(vote[0])
-        self.comm.all_reduce(vote, op="sum")
-        return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == self.comm.size)
+        comm.all_reduce(vote, op="sum")
+        return bool(vote[0] > 0) if rule == "any" else bool(vote[0] == comm.size)
 
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values.
@@ -145,25 +190,6 @@ class Collectives:
         for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.engine.buff_size):
             self.engine.average_arrays(bucket, floats, "parameter averaging")
 
-
-def _view(array: Any) -> Any:
-    """A NumPy/CuPy view of a torch tensor (zero-copy); other arrays as they are."""
-    if type(array).__module__.startswith("torch"):
-        from .torch.adapter import as_array
-
-        return as_array(array)
-    return array
-
-
-def _raise_everywhere(call: str, everyone: list[list[Any]]) -> None:
-    """Raise, on every rank alike, the first rank's argument error, else the first difference."""
-    for rank, (problem, *_rest) in enumerate(everyone):
-        if problem:
-            kind, _, text = problem.partition(": ")
-            raise (TypeError if kind == "TypeError" else ValueError)(f"{call} on rank {rank}: {text}")
-    names = ("shape", "dtype", "arguments")
-    for rank, other in enumerate(everyone[1:], start=1):
-        for name, a, b in zip(names, everyone[0][1:], other[1:]):
-            if a != b:
-                raise CollectiveMismatchError(f"{call}: {name} differ{'' if name == 'arguments' else 's'} across "
-                                              f"ranks: rank 0 has {a}, rank {rank} has {b}")
+    def close(self) -> None:
+        """Wait for the asynchronous collectives in flight, stop their worker, close their communicators."""
+        self._async.close()

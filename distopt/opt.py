@@ -1,10 +1,9 @@
 """DistOpt, the face: every public name is a one-line delegation to an owned, typed collaborator.
 
-The collaborators: :class:`~distopt.step.runner.StepRunner` (the one step
-path), :class:`~distopt.torch.follower.Follower` (PyTorch's backward hooks
-and optimizer surface), :class:`~distopt.torch.model_sync.ModelSync` (the
-model's tensors), :class:`~distopt.collectives.Collectives` (raw
-collectives) and :class:`~distopt.step.state.StepState` (checkpoints).
+The collaborators: :class:`~distopt.step.runner.StepRunner` (the one step path),
+:class:`~distopt.torch.follower.Follower` (PyTorch's backward hooks and optimizer surface),
+:class:`~distopt.torch.model_sync.ModelSync` (the model's tensors), :class:`~distopt.collectives.Collectives`
+(raw collectives) and :class:`~distopt.step.state.StepState` (checkpoints).
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import singa
 from .collectives import Collectives
 from .comm.base import Communicator
+from .comm.groups import Group
 from .core.counters import Counters
 from .launch.failfast import install_abort_on_exception
 from .launch.world import World, comm_for
@@ -41,8 +41,7 @@ class DistOpt:
     Args:
         opt: the local optimizer: :class:`distopt.SGD`, any object with ``update(param, grad)``
             (arrays updated in place), or a ``torch.optim.Optimizer`` (rank 0's parameters broadcast here).
-        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in
-            the multiprocessing launch mode; None under ``mpiexec``.
+        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the multiprocessing launch mode.
         gpu_num: this process's device number on its node (rank in the multiprocessing mode).
         gpu_per_node: processes per node (world size in the multiprocessing mode).
         buffSize: capacity of one fusion buffer in ELEMENTS (default 4194304: 16 MiB of float32).
@@ -51,63 +50,54 @@ class DistOpt:
         backend: force a backend (see :func:`distopt.launch.world.build_world`).
         comm: an existing communicator to use instead of building one.
         timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
-        backward_passes_per_step: micro-batches accumulated locally per
-            update (Horovod's name). Array models: their MEAN is all-reduced
-            once per k calls (see :meth:`flush`). PyTorch: the first k-1
-            ``loss.backward()`` calls accumulate in ``.grad``, the k-th
-            averages the sum (use ``loss / k``).
+        backward_passes_per_step: micro-batches accumulated locally per update (Horovod's name). Array models:
+            their MEAN is all-reduced once per k calls (see :meth:`flush`). PyTorch: the first k-1
+            ``loss.backward()`` calls accumulate in ``.grad``, the k-th averages the sum (use ``loss / k``).
         check_finite: skip a step on EVERY rank when any rank's gradient has a NaN or inf.
-        abort_on_exception: under MPI, an uncaught exception on any rank
-            aborts the whole job (printing its traceback).
-        overlap: start each bucket's reduction during backward as soon as it
-            is ready (strategies that support it); results identical to False.
-        model: the ``torch.nn.Module``: rank 0's parameters and buffers are
-            broadcast here, names checked across ranks (without it: only the
-            optimizer's parameters, never buffers).
-        broadcast_buffers: with ``model``, broadcast rank 0's buffers before
-            each training-mode forward (DDP's default).
-        sparse_as_dense: densify sparse PyTorch gradients (else TypeError at the first backward).
+        abort_on_exception: under MPI, an uncaught exception on any rank aborts the whole job (printing its traceback).
+        overlap: start each bucket's reduction during backward as soon as it is ready (strategies that
+            support it); results identical to False.
+        model: the ``torch.nn.Module``: rank 0's parameters and buffers are broadcast here, names checked
+            across ranks (without it: only the optimizer's parameters, never buffers).
+        broadcast_buffers: with ``model``, broadcast rank 0's buffers before each training-mode forward
+            (DDP's default).
+        sparse_as_dense: average sparse gradients (``nn.Embedding(sparse=True)``) densely in the buckets
+            (Horovod's name; ``SparseAdam`` gets them back sparse). False: all-gathered as sparse, coalesced and
+            divided by the world size (:mod:`distopt.torch.sparse`); dense with bucket views or ``zero``.
         world: an existing :class:`~distopt.launch.world.World` to join.
-        gradient_as_bucket_view: PyTorch DDP's option, for a
-            ``torch.optim.Optimizer`` only: each trainable parameter's
-            ``.grad`` becomes a view into its bucket's flat buffer, so the
-            buckets ARE the gradient memory (about 0 extra bytes instead of
-            a second copy of every gradient); bitwise the results of False.
-            Caveats as DDP's (see :mod:`distopt.torch.bucket_views` and
-            ``docs/porting.md``); ``join()`` is not supported with it.
-        divide_by_initial_world_size: inside :meth:`join`, divide by the
-            world size (DDP's default) rather than by the ranks still training.
-        named_parameters: Horovod's: ``model.named_parameters()``, naming every
-            optimizer parameter (compared across ranks; ValueError for a
-            duplicate or missing name).
-        zero: shard the optimizer (ZeRO, ``docs/sharding.md``): 0 none; 1
-            reduce-scatters each bucket so every rank updates (and keeps
-            optimizer state for) 1/W of it, then all-gathers the
-            parameters; 2 also keeps only this rank's gradient segments.
-            Dense or Half; an elementwise optimizer.
-        overlap_param_gather: with ``zero`` and ``model``, leave each
-            bucket's parameter all-gather in flight until the next forward
-            reaches its parameters.
+        gradient_as_bucket_view: PyTorch DDP's option, for a ``torch.optim.Optimizer`` only: each trainable
+            parameter's ``.grad`` becomes a view into its bucket's flat buffer, so the buckets ARE the gradient
+            memory (about 0 extra bytes instead of a second copy of every gradient); bitwise the results of
+            False. Caveats as DDP's (:mod:`distopt.torch.bucket_views`, ``docs/porting.md``); no ``join()``.
+        divide_by_initial_world_size: inside :meth:`join`, divide by the world size (DDP's default) rather
+            than by the ranks still training.
+        named_parameters: Horovod's: ``model.named_parameters()``, naming every optimizer parameter (compared
+            across ranks; ValueError for a duplicate or missing name).
+        zero: shard the optimizer (ZeRO, ``docs/sharding.md``): 0 none; 1 reduce-scatters each bucket so every
+            rank updates (and keeps optimizer state for) 1/W of it, then all-gathers the parameters; 2 also
+            keeps only this rank's gradient segments. Dense or Half; an elementwise optimizer.
+        overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight
+            until the next forward reaches its parameters.
+        hierarchical: the all-reduce across nodes (:mod:`distopt.comm.hierarchy`): None picks it on the torch
+            backend when there are several nodes (host names) with the same number (> 1) of processes; True
+            requires it (mpi or torch; ValueError where it cannot be); False keeps the flat all-reduce.
+        group: a process group (:func:`distopt.new_group`): average over its ranks only (instead of
+            ``comm``/``world``); ValueError on a rank outside it. Flat unless ``hierarchical=True``.
 
     Attributes:
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
         rank_in_local / local_rank: its rank among the processes of its node.
         world_size: number of processes.
         engine: the step engine (layout, agreement, bucket pipeline).
-        follower: the :class:`~distopt.torch.follower.Follower` of a PyTorch
-            optimizer (None for array optimizers).
-        model_sync: the :class:`~distopt.torch.model_sync.ModelSync` of a
-            PyTorch optimizer (None for array optimizers).
-        sampler: a :class:`~distopt.data.DistributedSampler` whose epoch is
-            saved in :meth:`state_dict` (assign it to include it).
+        follower: the :class:`~distopt.torch.follower.Follower` of a PyTorch optimizer (None for array optimizers).
+        model_sync: the :class:`~distopt.torch.model_sync.ModelSync` of a PyTorch optimizer (None for array optimizers).
+        sampler: a :class:`~distopt.data.DistributedSampler` whose epoch :meth:`state_dict` saves (assign it).
 
     Raises:
         TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
-        ValueError: ``buffSize < 1``, inconsistent rank arguments, or
-            ``gradient_as_bucket_view=True`` with an array optimizer or a
-            strategy that averages parameters (partial); ``zero`` not in
-            (0, 1, 2), with another strategy or an optimizer that is not
-            elementwise.
+        ValueError: ``buffSize < 1``, inconsistent rank arguments, or ``gradient_as_bucket_view=True`` with an array
+            optimizer or a strategy that averages parameters (partial); ``zero`` not in (0, 1, 2), with another
+            strategy or an optimizer that is not elementwise.
     """
 
     def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003
@@ -121,7 +111,8 @@ class DistOpt:
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
                  sparse_as_dense: bool = False, world: World | None = None,
                  gradient_as_bucket_view: bool = False, divide_by_initial_world_size: bool = True,
-                 named_parameters: Any = None, zero: int = 0, overlap_param_gather: bool = False) -> None:
+                 named_parameters: Any = None, zero: int = 0, overlap_param_gather: bool = False,
+                 hierarchical: bool | None = None, group: Any = None) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -136,7 +127,7 @@ class DistOpt:
         accumulator = (GradientAccumulator(backward_passes_per_step)
                        if backward_passes_per_step != 1 and isinstance(local, ArrayOptimizer) else None)
         self.comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
-                                                                  comm, world)
+                                                                  comm, world, hierarchical, group)
         self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
         zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None, overlap_param_gather)
@@ -225,16 +216,14 @@ class DistOpt:
             params: arrays (NumPy or CuPy) in the same order on every rank.
             grads: one gradient per parameter (same shape), or None for a
                 parameter without a gradient this step; overwritten with the average.
-            threshold: parameters of more than this many ELEMENTS are reduced
-                alone, smaller ones fused into buffers of ``buffSize``
-                elements; None: the strategy's ``default_threshold``.
+            threshold: parameters of more than this many ELEMENTS are reduced alone, smaller ones fused into
+                buffers of ``buffSize`` elements; None: the strategy's ``default_threshold``.
 
         Raises:
             TypeError: ``params``/``grads`` with a PyTorch optimizer.
             ValueError: ``params`` and ``grads`` differ in length or shape.
-            CollectiveMismatchError / CollectiveTimeoutError: from the ranks'
-                agreement or a missed deadline, naming the step and bucket;
-                no parameter is changed then.
+            CollectiveMismatchError / CollectiveTimeoutError: from the ranks' agreement or a missed deadline,
+                naming the step and bucket; no parameter is changed then.
         """
         if grads is None and (params is None or callable(params)):
             return self._torch("step() without params").step(params)
@@ -244,9 +233,8 @@ class DistOpt:
         """Backward pass, reduction with :attr:`strategy`, local update (see :meth:`step`).
 
         Args:
-            loss: a PyTorch loss tensor (``loss.backward()`` averages ``.grad``,
-                then ``optimizer.step()`` runs), or for array models any object
-                whose ``backward()`` yields ``(param, grad)`` pairs (in any order
+            loss: a PyTorch loss tensor (``loss.backward()`` averages ``.grad``, then ``optimizer.step()`` runs),
+                or for array models any object whose ``backward()`` yields ``(param, grad)`` pairs (in any order
                 once :meth:`sync_params` fixed the shared order).
             threshold: see :meth:`step` (elements).
         """
@@ -314,24 +302,20 @@ class DistOpt:
     def join(self, params: Sequence[Any] | None = None) -> Iterator[JoinResult]:
         """Let ranks with fewer batches finish early without hanging the others (Horovod's ``hvd.join``).
 
-        Around the training loop on every rank (``with opt.join(): for batch
-        in my_batches: ...``, counts may differ per rank). A rank that left
-        the loop answers the others' steps with zero gradients and applies
-        the same averaged update: PyTorch DDP's, the sum divided by the world
-        size, joined ranks contributing zeros (``divide_by_initial_world_size=False``:
-        by the ranks that contributed). With ``model=`` and buffers, joined
-        ranks also shadow the buffer broadcasts, which then come from the
-        lowest rank still training, and at the end every rank takes the
-        buffers of the last rank to join. ``with opt.join() as result:``
-        gives ``result.last_joined`` afterwards (Horovod's ``join()`` value).
+        Around the training loop on every rank (``with opt.join(): for batch in my_batches: ...``, counts may
+        differ per rank). A rank that left the loop answers the others' steps with zero gradients and applies
+        the same averaged update: PyTorch DDP's, the sum divided by the world size, joined ranks contributing
+        zeros (``divide_by_initial_world_size=False``: by the ranks that contributed). With ``model=`` and
+        buffers, joined ranks also shadow the buffer broadcasts, which then come from the lowest rank still
+        training, and at the end every rank takes the buffers of the last rank to join. ``with opt.join() as
+        result:`` gives ``result.last_joined`` afterwards (Horovod's ``join()`` value).
 
         Args:
             params: the parameters, for an array model that ran no step before joining.
 
         Raises:
-            ValueError: nothing to shadow (no step yet and no ``params``), a
-                strategy without ``supports_join`` (every rank raises), or
-                ``gradient_as_bucket_view=True``.
+            ValueError: nothing to shadow (no step yet and no ``params``), a strategy without ``supports_join``
+                (every rank raises), or ``gradient_as_bucket_view=True``.
         """
         follower = self.follower
         if follower is not None and follower.views is not None:
@@ -341,29 +325,44 @@ class DistOpt:
         with self._runner.join(None if follower is None else follower.shadow, params, forward, after) as result:
             yield result
 
-    def all_reduce(self, array: Any, op: str = "sum") -> Any:
-        """In-place all-reduce of one array or contiguous tensor; returns it (see :class:`~distopt.collectives.Collectives`)."""
-        return self._collectives.all_reduce(array, op)
+    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
+        """In-place all-reduce of one array or contiguous tensor; returns it, or with ``async_op=True`` a handle whose
+        ``wait()`` does; ``group``: a process group (all collectives: :class:`~distopt.collectives.Collectives`)."""
+        return self._collectives.all_reduce(array, op, group=group, async_op=async_op)
 
-    def broadcast(self, array: Any, root: int = 0) -> Any:
+    def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
         """In-place broadcast of one array or contiguous tensor from ``root``; returns it."""
-        return self._collectives.broadcast(array, root)
+        return self._collectives.broadcast(array, root, group=group, async_op=async_op)
 
-    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = ()) -> dict[str, Any]:
+    def all_gather(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """Every rank's rows in rank order: a new ``(sum of shape[0], *shape[1:])`` array; ``shape[0]`` may differ."""
+        return self._collectives.all_gather(array, group=group, async_op=async_op)
+
+    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
+                       async_op: bool = False) -> Any:
+        """This rank's chunk (``shape[0] // W`` rows, a new array) of the reduction, as ``reduce_scatter_tensor``."""
+        return self._collectives.reduce_scatter(array, op, group=group, async_op=async_op)
+
+    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """Chunk ``j`` of ``shape[0]`` (W equal chunks) sent to rank ``j``; a new array, as ``all_to_all_single``."""
+        return self._collectives.all_to_all(array, group=group, async_op=async_op)
+
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
+                           group: Group | None = None) -> dict[str, Any]:
         """Sum metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
-        return self._collectives.all_reduce_metrics(metrics, mean)
+        return self._collectives.all_reduce_metrics(metrics, mean, group=group)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, group: Group | None = None) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order, on every rank."""
-        return self._collectives.all_gather_object(obj)
+        return self._collectives.all_gather_object(obj, group=group)
 
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
         """``root``'s picklable object, on every rank."""
-        return self._collectives.broadcast_object(obj, root)
+        return self._collectives.broadcast_object(obj, root, group=group)
 
-    def agree(self, flag: bool, rule: str = "any") -> bool:
+    def agree(self, flag: bool, rule: str = "any", *, group: Group | None = None) -> bool:
         """A decision every rank takes together: ``rule`` ``"any"``, ``"all"`` or ``"root"`` (rank 0's vote)."""
-        return self._collectives.agree(flag, rule)
+        return self._collectives.agree(flag, rule, group=group)
 
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values (array models,
@@ -384,12 +383,13 @@ class DistOpt:
         self._state.load_state_dict(state, self.sampler)
 
     def close(self) -> None:
-        """Release the communicator and the reduction thread (a second call does nothing); every later
-        collective raises :class:`~distopt.errors.CommunicatorClosedError` on every rank. The hooks on the
-        model's tensors and the optimizer are removed."""
+        """Wait for the async collectives in flight, then release the communicators and the threads (a second call
+        does nothing); every later collective raises :class:`~distopt.errors.CommunicatorClosedError` on every
+        rank. The hooks on the model's tensors and the optimizer are removed."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         if self.follower is not None:
             self.follower.release()
+        self._collectives.close()  # the asynchronous collectives in flight complete first
         self.engine.close()
         self.comm.close()
 

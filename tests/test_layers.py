@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 
 #: Layers from the top (the face) down; a module may import its own layer or any layer below it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives")),
+    ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives", "distopt.array_collectives",
+              "distopt.async_collectives", "distopt.autograd")),
     ("torch", ("distopt.torch",)),
     ("step", ("distopt.step",)),
     ("strategies", ("distopt.strategies",)),

@@ -23,7 +23,7 @@ in-place all-gather, all-to-all, with ``_async`` forms) are in
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -348,6 +348,23 @@ class MPICommunicator(MpiShards, CommunicatorState):
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
         self._ctl.agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
+
+    @collective
+    def split(self, ranks: Sequence[int]) -> MPICommunicator | None:
+        """A communicator of ``ranks`` (ascending, renumbered from 0) by ``Comm_split``; None outside them.
+
+        Collective: every rank calls it with the same ranks (use
+        :func:`distopt.comm.groups.split`, which checks that first).
+        """
+        member = self.rank in ranks
+        self.barrier()  # bounded: Comm_split itself cannot time out
+        sub = self._comm.Split(0 if member else MPI.UNDEFINED, list(ranks).index(self.rank) if member else 0)
+        if not member:
+            return None
+        try:
+            return MPICommunicator(sub, timeout=self.timeout)
+        finally:
+            sub.Free()
 
     def close(self) -> None:
         """Free the side-channel window and the duplicated communicator; idempotent.

@@ -126,6 +126,11 @@ class SingleCommunicator(CommunicatorState):
         return _copy(array)
 
     @collective
+    def split(self, ranks: Sequence[int]) -> SingleCommunicator:
+        """A new world of one process (``ranks`` is ``(0,)``, checked by :func:`distopt.comm.groups.split`)."""
+        return SingleCommunicator()
+
+    @collective
     def barrier(self) -> None:
         """Return at once."""
 

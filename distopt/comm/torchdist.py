@@ -18,12 +18,9 @@ garbled result. The descriptor travels in a fixed-size control block (see
 bytes per rank: a step header, a metric, a broadcast flag) carries its data
 in that same block: one collective per call, reduced locally in rank order
 (16-bit floats in float32, rounded once). A wait on CPU work blocks in
-``Work.wait(timeout)`` until the deadline: gloo's own threads move and reduce
-the data, so the waiting thread polls nothing and leaves the cores to them
-(and to the other ranks). A missed deadline, or a peer that exited (gloo
-reports a closed connection), is a
-:class:`~distopt.errors.CollectiveTimeoutError`, after which the communicator
-is unusable. CUDA work is ordered on torch's streams (``Work.wait()``, no host
+``Work.wait(timeout)`` (gloo's threads move the data; nothing polls). A
+missed deadline, or a peer that exited, is a
+:class:`~distopt.errors.CollectiveTimeoutError`; the communicator is unusable after it. CUDA work is ordered on torch's streams (``Work.wait()``, no host
 wait), bounded by the process group's own timeout (NCCL watchdog).
 
 Reductions: gloo reduces float16, bfloat16, float32, float64, int8, uint8,
@@ -37,7 +34,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -153,18 +150,22 @@ class TorchCommunicator(TorchShards, CommunicatorState):
             except (RuntimeError, ValueError) as exc:
                 raise DistOptError(f"torch.distributed rendezvous at {os.environ['MASTER_ADDR']}:"
                                    f"{os.environ['MASTER_PORT']} failed: {exc}") from exc
-            self._group = None  # the default group
+            self._bind(None, backend)  # the default group
         else:
-            self._group = dist.new_group(backend=backend, timeout=pg_timeout)
-        self.rank: int = dist.get_rank(self._group)
-        self.size: int = dist.get_world_size(self._group)
-        block, table = control.new_buffers(self.size)
-        self._block, self._table = torch.from_numpy(block), torch.from_numpy(table)  # shared with the numpy views
-        self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
+            self._bind(dist.new_group(backend=backend, timeout=pg_timeout), backend)
         for name, given, actual in (("rank", rank, self.rank), ("size", size, self.size)):
             if given is not None and int(given) != actual:
                 self.close()
                 raise ValueError(f"{name}={given} contradicts torch.distributed's process group ({name} {actual})")
+
+    def _bind(self, group: Any, backend: str) -> None:
+        """Use ``group`` (None: the default group): its rank, size and control buffers."""
+        self._group, self._backend = group, backend
+        self.rank: int = dist.get_rank(group)
+        self.size: int = dist.get_world_size(group)
+        block, table = control.new_buffers(self.size)
+        self._block, self._table = torch.from_numpy(block), torch.from_numpy(table)  # shared with the numpy views
+        self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
         close_at_exit(self)
 
     @classmethod
@@ -350,6 +351,32 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the timeout)."""
         self._agree("barrier", 0, 0)  # the exchange completes only when every rank has arrived
+
+    @collective
+    def split(self, ranks: Sequence[int]) -> TorchCommunicator | None:
+        """A communicator of ``ranks`` (ascending, renumbered from 0) by ``torch.distributed.new_group``;
+        None outside them.
+
+        Collective: every rank calls it with the same ranks (use
+        :func:`distopt.comm.groups.split`, which checks that first).
+
+        Raises:
+            ValueError: this communicator is not the whole job's (``new_group`` needs every process of
+                the job, so a group of a group is not supported on this backend).
+        """
+        if self.size != dist.get_world_size():
+            raise ValueError(f"the torch backend splits only the whole job's communicator ({dist.get_world_size()} "
+                             f"ranks; this one has {self.size}): torch.distributed.new_group needs every process of "
+                             "the job, so a group of a group is not supported")
+        self.barrier()  # bounded: new_group's own rendezvous waits for every rank
+        group = dist.new_group(ranks=list(ranks), backend=self._backend,
+                               timeout=datetime.timedelta(seconds=self.timeout))
+        if self.rank not in ranks:
+            return None
+        sub = TorchCommunicator.__new__(TorchCommunicator)
+        sub.timeout, sub._owns_default = self.timeout, False
+        sub._bind(group, self._backend)
+        return sub
 
     def close(self) -> None:
         """Destroy the process group distopt created (the default one, or its own group); idempotent, and

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,10 @@ from .. import comm as _comm
 from . import ranks
 from .info import JOB_ID_ENV, Launch
 from ..comm.base import Communicator
+from ..comm.groups import Group, split
+from ..comm.hierarchy import hierarchical_for
 
-__all__ = ["build_world", "choose_backend", "init", "current", "World", "comm_for"]
+__all__ = ["build_world", "choose_backend", "init", "current", "World", "comm_for", "new_group"]
 
 log = logging.getLogger("distopt")
 
@@ -208,24 +210,58 @@ def current() -> World | None:
 
 def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
              backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
-             world: World | None = None) -> tuple[Communicator, int, int]:
+             world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
+             ) -> tuple[Communicator, int, int]:
     """The communicator of a new ``DistOpt`` and its ``(local rank, local size)``.
 
-    In order: an explicit ``comm`` (local rank and size from ``gpu_num`` /
-    ``gpu_per_node``, else the communicator's rank and size), an explicit
-    ``world``, the :class:`World` of an earlier :func:`init`, else a new
-    communicator by :func:`build_world`.
+    In order: a process ``group``'s communicator (local rank and size from
+    ``world`` or an earlier :func:`init`), an explicit ``comm`` (local rank
+    and size from ``gpu_num`` / ``gpu_per_node``, else the communicator's
+    rank and size), an explicit ``world``, the :class:`World` of an earlier
+    :func:`init`, else a new communicator by :func:`build_world`. Then
+    :func:`~distopt.comm.hierarchy.hierarchical_for` (``hierarchical``; a
+    group's communicator stays flat unless it is True).
 
     Raises:
-        ValueError: as :func:`build_world`.
+        ValueError: as :func:`build_world`; a rank outside ``group``; as
+            :func:`~distopt.comm.hierarchy.hierarchical_for`.
         BackendUnavailableError: as :func:`build_world`.
     """
+    if group is not None:
+        if not isinstance(group, Group):
+            raise TypeError(f"group must be a distopt process group (distopt.new_group), got {type(group).__name__}")
+        sub = group.require("DistOpt(group=)")
+        outer = world if world is not None else current()
+        local = (outer.info.local_rank, outer.info.local_size) if outer is not None else (sub.rank, sub.size)
+        return hierarchical_for(sub, bool(hierarchical)), local[0], local[1]
     if comm is not None:
-        return (comm, comm.rank if gpu_num is None else gpu_num,
+        return (hierarchical_for(comm, hierarchical), comm.rank if gpu_num is None else gpu_num,
                 comm.size if gpu_per_node is None else gpu_per_node)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)
     if world is not None:
-        return world.comm, world.info.local_rank, world.info.local_size
+        return hierarchical_for(world.comm, hierarchical), world.info.local_rank, world.info.local_size
     comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
-    return comm, info.local_rank, info.local_size
+    return hierarchical_for(comm, hierarchical), info.local_rank, info.local_size
 
+
+def new_group(ranks: Iterable[int], world: World | None = None, name: str | None = None) -> Group:
+    """A process group of ``ranks`` (torch's ``new_group``, Horovod's process sets): collective over the job.
+
+    Every rank of the job calls it, in the same order, with the same
+    ``ranks``; pass the result to ``DistOpt(opt, group=g)`` or to a
+    collective's ``group=``. See :func:`distopt.comm.groups.split`.
+
+    Args:
+        ranks: the members' global ranks (any order, distinct).
+        world: the job; default the one of :func:`init` (joined now if needed).
+        name: a name for error messages (default from the ranks).
+
+    Returns:
+        A :class:`~distopt.comm.groups.Group`; its ``comm`` is None on a rank outside it.
+
+    Raises:
+        TypeError / ValueError / CollectiveMismatchError: on every rank, as
+            :func:`~distopt.comm.groups.split` (bad ranks, ranks that
+            disagree on the members, a backend without groups).
+    """
+    return split((world if world is not None else init()).comm, ranks, name)

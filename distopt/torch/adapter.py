@@ -43,13 +43,15 @@ def as_array(tensor: Any) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) array sharing memory with ``tensor``.
 
     Raises:
-        TypeError: the tensor is sparse (``nn.Embedding(sparse=True)``) or
-            not contiguous (a view could not alias it).
+        TypeError: the tensor is sparse (array views and collectives take
+            dense tensors; a PyTorch optimizer's sparse ``.grad`` is averaged
+            by ``loss.backward()``, :mod:`distopt.torch.sparse`) or not
+            contiguous (a view could not alias it).
     """
     if tensor.is_sparse:
-        raise TypeError(f"tensor of shape {tuple(tensor.shape)} is a sparse gradient (e.g. nn.Embedding(sparse="
-                        "True)); distopt averages dense gradients only: use a dense embedding, or "
-                        "DistOpt(..., sparse_as_dense=True) with a PyTorch optimizer and loss.backward()")
+        raise TypeError(f"tensor of shape {tuple(tensor.shape)} is sparse; array views and collectives take dense "
+                        "tensors: pass tensor.to_dense() (a torch.optim.Optimizer's sparse gradients, e.g. from "
+                        "nn.Embedding(sparse=True), are averaged by loss.backward() without this)")
     if not tensor.is_contiguous():
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; distopt needs "
                         "contiguous parameters and gradients")
@@ -162,8 +164,9 @@ class TorchOptimizer(LocalOptimizer):
                    if isinstance(v, torch.Tensor))
 
     def grad_bytes(self) -> int:
-        """BYTES of the parameters' ``.grad`` tensors."""
-        return sum(p.grad.nbytes for p in self.params() if p.grad is not None)
+        """BYTES of the parameters' ``.grad`` tensors (a sparse one's indices and values)."""
+        return sum((g._indices().nbytes + g._values().nbytes) if g.is_sparse else g.nbytes
+                   for g in (p.grad for p in self.params()) if g is not None)
 
     def state_dict(self) -> Any:
         return self.optimizer.state_dict()

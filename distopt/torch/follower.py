@@ -43,6 +43,9 @@ Rules:
   backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
   before it zeroes or drops the gradients, so the next step is right.
 * ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
+* Sparse gradients (``nn.Embedding(sparse=True)``) are left out of the
+  buckets and averaged as sparse after them, in the same reduction
+  (:mod:`distopt.torch.sparse`); ``sparse_as_dense=True`` densifies them.
 * Activation checkpointing: a reentrant checkpoint runs its block's
   backward as a nested backward (a parameter of a block used twice gets two
   gradient hooks); gradients from a nested backward are not handed to the
@@ -69,6 +72,7 @@ from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .nested import inside_nested_backward
 from .owners import claim, release
+from .sparse import SparseGrads
 
 __all__ = ["Follower"]
 
@@ -80,8 +84,8 @@ class Follower:
         runner: the :class:`~distopt.step.runner.StepRunner` every step goes through.
         local: the torch local optimizer whose tensors are hooked here.
         passes_per_step: backward passes accumulated per reduction, >= 1.
-        sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``)
-            before reducing them; otherwise they raise ``TypeError``.
+        sparse_as_dense: average sparse gradients (``nn.Embedding(sparse=True)``)
+            densely in the buckets; else as sparse (:mod:`distopt.torch.sparse`).
         bucket_view: make every ``.grad`` a view into its bucket's buffer
             (``gradient_as_bucket_view``).
         model: the ``torch.nn.Module``, whose ``require_backward_grad_sync``
@@ -102,7 +106,8 @@ class Follower:
                  bucket_view: bool, model: Any = None) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
-        self.runner, self.local, self.k, self.sparse_as_dense = runner, local, passes_per_step, sparse_as_dense
+        self.runner, self.local, self.k = runner, local, passes_per_step
+        self.sparse = SparseGrads(runner.engine, local.optimizer, sparse_as_dense or bucket_view)
         self.views, self.model = BucketViews() if bucket_view else None, model
         self.passes = self.no_sync_depth = self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
@@ -142,11 +147,7 @@ class Follower:
 
     # ------------------------------------------------------------ backward
     def on_grad(self, param: Any) -> None:
-        """Post-accumulate-grad hook: ``param.grad`` is final for this backward pass.
-
-        Raises:
-            TypeError: a sparse gradient without ``sparse_as_dense=True``.
-        """
+        """Post-accumulate-grad hook: ``param.grad`` is final for this backward pass."""
         import torch
 
         task = torch._C._current_graph_task_id()
@@ -155,13 +156,8 @@ class Follower:
             nested = self._place(task)
         if not isinstance(self._current(), GradientStrategy):
             return
-        if param.grad is not None and param.grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise TypeError(
-                    f"parameter of shape {tuple(param.shape)} got a sparse gradient (e.g. nn.Embedding(sparse="
-                    "True)); distopt averages dense gradients only: use a dense embedding, or "
-                    "DistOpt(..., sparse_as_dense=True) to densify sparse gradients before averaging")
-            param.grad = param.grad.to_dense()
+        if not self.sparse.on_grad(param):  # averaged as sparse at the end of backward
+            return
         if self._pipeline is not None and not nested:  # a nested backward's gradient is packed at the end
             index = self._index_of.get(id(param))
             if index is not None:
@@ -233,12 +229,11 @@ class Follower:
         self.drain()
         strategy = self._current()
         assert isinstance(strategy, GradientStrategy)
-        self._tensors = self._owned()
+        self._tensors = self.sparse.layout(self._owned())  # sparse tensors are averaged on their own
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
         fused = self._threshold is None and strategy.default_threshold == VIEW_THRESHOLD
         threshold = self.runner.engine.buff_size if fused else self._threshold
-        grads = None if shadow is None else [None if shadow or t.grad is None else as_array(t.grad.contiguous())
-                                             for t in self._tensors]
+        grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
         pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], threshold,
                                      views=False, bucket_view=self.views is not None, grads=grads)
         if self.views is not None:
@@ -274,10 +269,10 @@ class Follower:
             pipeline = self._begin(shadow)
         for i, t in enumerate(self._tensors if self.views is not None else ()):
             self.views.adopt(t, i)
-        grads = [None if shadow or t.grad is None else as_array(t.grad) for t in self._tensors]
+        grads = [None if shadow else self.sparse.array(t) for t in self._tensors]
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes, self._pending, self._reduced = 0, False, True
-        self._skipped = not outcome.applies
+        self._skipped = self.sparse.reduce(outcome, shadow) or not outcome.applies
         (self._set_grads(grads, outcome, shadow) if self.zero is None
          else self.zero.adopt(pipeline, self._tensors, outcome))
         self.local.hook(self._tensors, self.on_grad)
@@ -294,6 +289,7 @@ class Follower:
                 t.grad = as_tensor(g)
             elif shadow:
                 t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
+        self.sparse.give_back(self._tensors, self._skipped)
 
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002

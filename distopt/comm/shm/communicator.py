@@ -20,7 +20,7 @@ order (the same bits), so it waits for its peers once instead of twice.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from ..lifecycle import CommunicatorState, collective
 from ..rank_order import accumulator_dtype, reduce_in_rank_order
 from ..staging import staged
 from ..wait import resolve_timeout
-from .rows import DONE, REDUCED, ControlRows, check_platform, dtype_code
+from .rows import REDUCED, ControlRows, check_platform, dtype_code
 from .segments import Segments
 from .shards import ShmShards, require_ndarray
 
@@ -85,6 +85,7 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         check_platform(size)
         self.rank, self.size, self.job_id, self.timeout = rank, size, job_id, resolve_timeout(timeout)
         self._segments = Segments(job_id, rank, size)
+        self._splits = 0
         self._ctl: ControlRows | None = None
         self._scratch = np.empty(_CHUNK_BYTES, np.uint8)
         try:
@@ -269,6 +270,22 @@ class ShmCommunicator(ShmShards, CommunicatorState):
                 out.append(self._ctl.published(p)[:count * array.itemsize].view(array.dtype).copy())
         self._ctl.finish(c)
         return out
+
+    @collective
+    def split(self, ranks: Sequence[int]) -> ShmCommunicator | None:
+        """A communicator of ``ranks`` (ascending, renumbered from 0) on segments of its own; None outside them.
+
+        Collective: every rank calls it with the same ranks, in the same
+        order (use :func:`distopt.comm.groups.split`, which checks that
+        first). The k-th split of a communicator names its segments
+        ``<job_id>-g<k>``, so groups of the same ranks never share memory.
+        """
+        self._splits += 1
+        job_id = f"{self.job_id}-g{self._splits}"
+        self.barrier()  # every rank has counted this split before any member builds the segments
+        if self.rank not in ranks:
+            return None
+        return ShmCommunicator(list(ranks).index(self.rank), len(ranks), job_id, self.timeout)
 
     @collective
     def barrier(self) -> None:

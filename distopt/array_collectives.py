@@ -165,8 +165,8 @@ def _agreed(comm: Communicator, call: str, array: Any, **args: Any) -> tuple[Any
     shape = [int(n) for n in getattr(array, "shape", ())]
     key = shape[1:] if call == "all_gather" else shape
     plain = {k: int(v) if isinstance(v, np.integer) else v for k, v in args.items()}
-    mine = [problem, key, str(getattr(array, "dtype", "")), plain, shape]
-    header = np.array([int(bool(problem)), digest(mine[1:4]), shape[0] if shape else 0], dtype=np.int64)
+    mine = [problem, key, str(getattr(array, "dtype", "")), plain, shape, call]
+    header = np.array([int(bool(problem)), digest(mine[1:4] + [call]), shape[0] if shape else 0], dtype=np.int64)
     everyone = comm.all_gather(header)
     if everyone[:, 0].any() or (everyone[:, 1] != everyone[0, 1]).any():
         _raise_everywhere(call, all_gather_object(comm, mine))
@@ -179,6 +179,10 @@ def _raise_everywhere(call: str, everyone: list[list[Any]]) -> None:
         if problem:
             kind, _, text = problem.partition(": ")
             raise (TypeError if kind == "TypeError" else ValueError)(f"{call} on rank {rank}: {text}")
+    for rank, other in enumerate(everyone):
+        if other[5] != call:
+            raise CollectiveMismatchError(f"{call}: rank {rank} called {other[5]} at the same point (the ranks "
+                                          "must call the same collectives in the same order)")
     names = ("shape beyond the first dimension" if call == "all_gather" else "shape", "dtype", "arguments")
     for rank, other in enumerate(everyone[1:], start=1):
         for name, a, b in zip(names, everyone[0][1:4], other[1:4]):

@@ -27,6 +27,22 @@ from tests.simworld import run_world
 
 BACKENDS = ("sim", "mpi", "shm", "torch")
 
+
+def tiered(cases: list[Any]) -> list[Any]:
+    """``cases`` for ``pytest.mark.parametrize``, each marked with its tier: ``unit`` for the simulated
+    world (threads of this process), ``world`` for a real backend (processes).
+
+    A case is a backend name or a tuple whose first item is one.
+    """
+    import pytest
+
+    out = []
+    for case in cases:
+        backend = case[0] if isinstance(case, tuple) else case
+        mark = pytest.mark.unit if backend == "sim" else pytest.mark.world
+        out.append(pytest.param(*case, marks=mark) if isinstance(case, tuple) else pytest.param(case, marks=mark))
+    return out
+
 #: Collective deadline inside the workers, in seconds.
 TIMEOUT = 20.0
 

@@ -36,6 +36,7 @@ def _load(path: Path, benchmark: str) -> dict:
     return data
 
 
+@pytest.mark.job
 def test_allreduce_smoke(tmp_path):
     out = tmp_path / "allreduce.json"
     res = run_job([sys.executable, str(BENCH / "allreduce.py"), "--quick", "--max-bytes", "65536",
@@ -56,6 +57,7 @@ def test_allreduce_smoke(tmp_path):
         assert out.with_suffix(".png").is_file()
 
 
+@pytest.mark.job
 def test_step_smoke(tmp_path):
     out = tmp_path / "step.json"
     res = run_job([sys.executable, str(BENCH / "step.py"), "--quick", "--warmup", "1", "--iters", "1",
@@ -81,6 +83,7 @@ def test_step_smoke(tmp_path):
     assert "not measured" in lines["CNN epoch, 2 processes: plain time / DDP gloo time"]
 
 
+@pytest.mark.unit
 def test_resnet50_shapes():
     sys.path.insert(0, str(BENCH))
     try:
@@ -92,6 +95,7 @@ def test_resnet50_shapes():
     assert sum(int(__import__("numpy").prod(s)) for s in shapes) == 25_557_032
 
 
+@pytest.mark.job
 def test_compress_smoke(tmp_path):
     out = tmp_path / "compress.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -110,6 +114,7 @@ def test_compress_smoke(tmp_path):
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="train.py needs torch")
 @pytest.mark.skipif(not HAVE_DATA, reason=f"no Fashion-MNIST IDX files in {DATA_DIR}")
+@pytest.mark.job
 def test_train_smoke(tmp_path):
     out = tmp_path / "train.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -129,6 +134,7 @@ def test_train_smoke(tmp_path):
     assert plain["eval_acc"] == pytest.approx(ddp["eval_acc"], abs=0.02)  # same data, init and update rule
 
 
+@pytest.mark.job
 def test_plot_train_table_and_png(tmp_path):
     """plot_train.py: one row per DistOpt run at --procs, in LABELS order, last-epoch wire ratio, difference
     from plain."""
@@ -165,6 +171,7 @@ def _can_make_netns() -> bool:
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="netsim.py's workers need torch")
 @pytest.mark.skipif(not _can_make_netns(), reason="netsim.py needs root and network namespaces (ip, tc, unshare)")
+@pytest.mark.job
 def test_netsim_gpt_smoke(tmp_path):
     """The smallest GPT run over a simulated 2-node link (the step workload and the teardown: test_netsim.py)."""
     out = tmp_path / "netsim.json"

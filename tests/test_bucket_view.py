@@ -21,6 +21,8 @@ from distopt.comm import create  # noqa: E402
 from distopt.strategies import REGISTRY, GradientStrategy, Half, Partial  # noqa: E402
 from tests.simworld import run_world  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 W, B, STEPS = 2, 4, 3
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 EXAMPLES = {e.id: e for e in REGISTRY.values() if issubclass(e.cls, GradientStrategy)}  # every bucket strategy

@@ -17,6 +17,8 @@ from distopt import SGD, DistOpt
 from distopt.strategies import REGISTRY, Dense, Partial, Sparse
 from tests.simworld import RankFailed, run_world
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch")
 
 def _train(comm, strategy, steps=3, momentum=0.9):

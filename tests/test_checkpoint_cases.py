@@ -52,6 +52,7 @@ def _errors(size, fn):
     return run_world(size, body)
 
 
+@pytest.mark.unit
 def test_h50_numpy_scalars_round_trip_on_every_rank(tmp_path):
     path = tmp_path / "ckpt.pt"
 
@@ -76,6 +77,7 @@ def test_h50_numpy_scalars_round_trip_on_every_rank(tmp_path):
     ({"when": np.datetime64("2024-01-01")}, "model_state['extra']['when']", "numpy.datetime64"),
     ({np.int64(1): 2.0}, "model_state['extra']", "numpy.int64"),
 ], ids=["class", "namedtuple", "datetime64", "numpy_key"])
+@pytest.mark.unit
 def test_a_value_the_safe_loader_refuses_is_refused_at_save_on_every_rank(tmp_path, value, key, kind):
     path = tmp_path / "ckpt.pt"
 
@@ -97,6 +99,7 @@ def _write_format2(path, model):
 
 
 @pytest.mark.parametrize("content", ["numpy_scalar", "foreign_class"])
+@pytest.mark.unit
 def test_an_intact_file_the_loader_refuses_is_not_called_corrupt(tmp_path, content):
     """A file another writer made (numpy scalar pickled by torch.save, a class in a bare pickle)."""
     path = tmp_path / "ckpt.pt"
@@ -112,6 +115,7 @@ def test_an_intact_file_the_loader_refuses_is_not_called_corrupt(tmp_path, conte
         assert "is intact" in str(e) and reason in str(e) and "corrupt" not in str(e), str(e)
 
 
+@pytest.mark.unit
 def test_a_flipped_byte_in_a_tensor_is_corrupt(tmp_path):
     """torch.load reads such a file without complaint; its CRC-32 does not match."""
     path = tmp_path / "ckpt.pt"
@@ -135,6 +139,7 @@ def _sparse_opt(comm):
 
 
 @pytest.mark.parametrize("damaged_rank", [0, 1])
+@pytest.mark.unit
 def test_a_truncated_residual_file_is_reported_on_every_rank(tmp_path, damaged_rank):
     path = tmp_path / "ckpt.pt"
 
@@ -152,6 +157,7 @@ def test_a_truncated_residual_file_is_reported_on_every_rank(tmp_path, damaged_r
     assert str(errors[0]).startswith(f"rank {damaged_rank}: ValueError: checkpoint {residuals} is truncated or corrupt")
 
 
+@pytest.mark.unit
 def test_a_file_one_rank_cannot_write_is_reported_on_every_rank(tmp_path):
     path = tmp_path / "ckpt.pt"
     (tmp_path / "ckpt.pt.rank1.residuals").mkdir()  # rank 1's residual file cannot replace a directory
@@ -166,6 +172,7 @@ def test_a_file_one_rank_cannot_write_is_reported_on_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.world
 def test_cases_under_mpiexec_w2():
     pytest.importorskip("mpi4py")
     run_mpi_suite("mpi_checkpoint_cases.py", 2)

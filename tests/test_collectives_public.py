@@ -350,20 +350,24 @@ def _check_gradcheck(results: list, w: int) -> None:
 
 # ------------------------------------------------------------------ tests: the simulated world (fast)
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.unit
 def test_shapes_sim(world):
     _check_shapes(run_case("sim", world, case_shapes), world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
 def test_argument_errors_on_every_rank_sim(world):
     _check_errors(run_case("sim", world, case_errors), world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.unit
 def test_async_sim(world):
     _check_async(run_case("sim", world, case_async), world)
 
 
+@pytest.mark.unit
 def test_async_runs_on_a_dedicated_communicator_made_once():
     def body(rank, comm):
         opt = _opt(comm)
@@ -379,6 +383,7 @@ def test_async_runs_on_a_dedicated_communicator_made_once():
         assert [k for k, _ in after] == ["all_gather", "all_reduce"]
 
 
+@pytest.mark.unit
 def test_async_timeout_is_raised_at_wait():
     def body(rank, comm):
         opt = _opt(comm)
@@ -395,6 +400,7 @@ def test_async_timeout_is_raised_at_wait():
     assert results[0].startswith("timeout") and results[1] == "skipped"
 
 
+@pytest.mark.unit
 def test_async_needs_a_communicator_that_splits():
     class NoSplit:
         name, rank, size = "mine", 0, 1
@@ -406,15 +412,18 @@ def test_async_needs_a_communicator_that_splits():
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
 def test_groups_sim(world):
     _check_groups(run_case("sim", world, case_groups), world, "sim")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.unit
 def test_gradcheck_sim(world):
     _check_gradcheck(run_case("sim", world, case_gradcheck), world)
 
 
+@pytest.mark.unit
 def test_autograd_resolves_its_communicator():
     from distopt.comm.single import SingleCommunicator
 
@@ -428,6 +437,7 @@ def test_autograd_resolves_its_communicator():
 # ------------------------------------------------------------------ tests: real processes, W = 2 and 3
 @pytest.mark.parametrize("backend", REAL)
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
 def test_shapes_and_errors_real(backend, world):
     _check_shapes(run_case(backend, world, case_shapes, timeout=120), world)
     _check_errors(run_case(backend, world, case_errors, timeout=120), world)
@@ -435,22 +445,26 @@ def test_shapes_and_errors_real(backend, world):
 
 @pytest.mark.parametrize("backend", REAL)
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
 def test_async_real(backend, world):
     _check_async(run_case(backend, world, case_async, timeout=120), world)
 
 
 @pytest.mark.parametrize("backend", REAL)
+@pytest.mark.world
 def test_groups_real(backend):
     _check_groups(run_case(backend, 3, case_groups, timeout=120), 3, backend)
 
 
 @pytest.mark.parametrize("backend", REAL)
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
 def test_gradcheck_real(backend, world):
     _check_gradcheck(run_case(backend, world, case_gradcheck, timeout=180), world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
 def test_against_torch_distributed(world):
     for res in run_case("torch", world, case_vs_torch_dist, timeout=120):
         assert res == {k: True for k in res} and len(res) == 6, res

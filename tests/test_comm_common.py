@@ -16,6 +16,8 @@ from distopt.launch.logs import setup_logging
 from distopt.launch.nccl_id import NcclIdHolder
 from tests import conformance
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("raw", ["-5", "0", "abc", "inf", "nan", ""])
 def test_one_timeout_rule_for_every_backend(monkeypatch, raw):

@@ -7,6 +7,7 @@ from tests.harness import run_mpi_suite
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.world
 def test_mpi_conformance(n):
     run_mpi_suite("mpi_comm.py", n)
 
@@ -25,6 +26,7 @@ if c.rank != 1:
 """
 
 
+@pytest.mark.world
 def test_timeout_names_the_rank_that_did_not_arrive():
     """Rank 1 skips a barrier: ranks 0 and 2 time out naming rank 1 and where it is."""
     import sys
@@ -40,6 +42,7 @@ def test_timeout_names_the_rank_that_did_not_arrive():
         assert "barrier #2" in line and "ranks that did not arrive: 1 (at all_reduce #1)" in line, line
 
 
+@pytest.mark.unit
 def test_control_block_exchange_persistent_and_without_persistent_collectives():
     """The control block goes by MPI 4's persistent all-gather (restarted for every call, so each
     exchange carries the block's current bytes), or by one Iallgather per call on an MPI library

@@ -14,22 +14,26 @@ from tests.backends import run_case  # noqa: E402
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
+@pytest.mark.world
 def test_conformance(nprocs):
     spawn(torch_workers.conformance_worker, nprocs, (torch_workers.free_port(),), timeout=100)
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.world
 def test_sharded_collectives(nprocs):
     """reduce_scatter(_async), all_gather_into(_async) and all_to_all (tests/conformance.py's SHARD_CHECKS)."""
     assert run_case("torch", nprocs, conformance.shard_case, timeout=130) == [len(conformance.SHARD_CHECKS)] * nprocs
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.world
 def test_skipped_collective_times_out():
     spawn(torch_workers.skip_worker, 2, (torch_workers.free_port(),), timeout=50)
 
 
+@pytest.mark.unit
 def test_needs_master_addr(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
@@ -56,6 +60,7 @@ def stalled_reduce_scatter_case(rank, comm):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.world
 def test_async_shard_handle_times_out():
     seconds, _ = run_case("torch", 2, stalled_reduce_scatter_case, timeout=50)
     assert seconds < 10

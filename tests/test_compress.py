@@ -16,6 +16,8 @@ import distopt.compress.topk as topk
 from distopt.compress import densify, from_wire, half_scales, k_for, threshold_indices, to_wire, topk_indices
 from distopt.compress._xp import index_dtype
 
+pytestmark = pytest.mark.unit
+
 FLOATS = [np.float16, np.float32, np.float64]
 
 

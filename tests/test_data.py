@@ -15,6 +15,8 @@ from distopt.data import (
     partition_indices,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _shards(n, w, **kw):
     return [partition_indices(n, r, w, **kw) for r in range(w)]

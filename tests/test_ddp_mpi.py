@@ -5,6 +5,8 @@ import pytest
 
 from tests.harness import run_mpi_suite
 
+pytestmark = pytest.mark.world
+
 
 def test_ddp_idioms_mpi():
     pytest.importorskip("torch")

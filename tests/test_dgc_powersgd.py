@@ -20,6 +20,8 @@ from tests.strategy_data import grads_for as _grads
 from tests.strategy_data import params_for as _params
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 
 # ---------------------------------------------- replicas and state round trips

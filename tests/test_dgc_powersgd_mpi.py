@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.harness import MPI_DIR, run_job
+
+pytestmark = pytest.mark.world
 
 SUITE = "mpi_dgc_powersgd.py"
 

@@ -184,6 +184,7 @@ def _python(argv: list[str], cwd: Path, timeout: float = 60) -> subprocess.Compl
 
 # ------------------------------------------------------ the block inventory
 
+@pytest.mark.unit
 def test_every_block_is_checked():
     problems = []
     for b in ALL_BLOCKS:
@@ -207,6 +208,7 @@ def test_every_block_is_checked():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.unit
 def test_shell_blocks_name_existing_scripts():
     """Every ``examples/...`` or ``tests/...`` path in a shell block exists."""
     missing = []
@@ -221,6 +223,7 @@ def test_shell_blocks_name_existing_scripts():
 # ------------------------------------------------------------ python blocks
 
 @pytest.mark.parametrize("block", _blocks("run"), ids=lambda b: b.id)
+@pytest.mark.job
 def test_python_block(block: Block, tmp_path: Path):
     _skip_without_torch(block)
     script = tmp_path / "block.py"
@@ -278,6 +281,7 @@ def mpi_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("block", _blocks("mpi"), ids=lambda b: b.id)
+@pytest.mark.job
 def test_mpi_block(block: Block, mpi_results: dict):
     _skip_without_torch(block)
     result = mpi_results["results"].get(block.id)
@@ -299,6 +303,7 @@ def _have_gpu() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", _blocks("gpu"), ids=lambda b: b.id)
+@pytest.mark.unit
 def test_gpu_block(block: Block, tmp_path: Path):
     if not _have_gpu():
         pytest.skip("needs CuPy and a CUDA device")
@@ -326,6 +331,7 @@ def _exists(dotted: str) -> bool:
         return _exists(module) and hasattr(importlib.import_module(module), attr) if module else False
 
 
+@pytest.mark.unit
 def test_measured_blocks_come_from_existing_benchmarks():
     blocks = _blocks("measured")
     assert blocks, "no measured= block: the performance page shows the benchmarks' output"
@@ -336,6 +342,7 @@ def test_measured_blocks_come_from_existing_benchmarks():
         assert title in script.read_text(), f"{b.id}: {script.name} does not print a title starting {title!r}"
 
 
+@pytest.mark.unit
 def test_diagrams_name_existing_modules():
     for b in _blocks("diagram"):
         for name in set(re.findall(r"\bdistopt(?:\.\w+)+", b.code)):
@@ -582,6 +589,7 @@ FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py"}
 
 
 @pytest.mark.parametrize("cmd_id", sorted(CHECKS))
+@pytest.mark.job
 def test_shell_block(cmd_id: str, tmp_path: Path, request):
     block = _cmd_block(cmd_id)
     check = CHECKS[cmd_id]
@@ -654,6 +662,7 @@ def _message_cells() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.unit
 def test_troubleshooting_messages_are_distopts():
     """Every message on the page is built from string literals in distopt/ (``<...>`` marks a value)."""
     pieces = _string_pieces()
@@ -699,6 +708,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.job
 def test_mkdocs_build_strict(site: Path):
     assert (site / "index.html").is_file() and (site / "reference" / "opt" / "index.html").is_file()
 
@@ -722,6 +732,7 @@ def _public_modules() -> list[str]:
 REFERENCED_MODULES = _public_modules()
 
 
+@pytest.mark.job
 def test_reference_covers_public_names(site: Path):
     """Every name in the ``__all__`` of the public modules has an anchor in the API reference."""
     anchors = set()

@@ -16,6 +16,8 @@ from distopt.strategies import Dense, Half, Partial, Sparse
 from tests import models
 from tests.simworld import RankFailed, run_world, second_world
 
+pytestmark = pytest.mark.unit
+
 STRATEGIES = {  # SINGA's methods and the strategy objects they build
     "plain": (Dense, {}, lambda o, p, g, t: o.step(p, g, t)),
     "half": (Half, {"wire": "float16"}, lambda o, p, g, t: o.step_half(p, g, t)),

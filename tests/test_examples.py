@@ -47,6 +47,7 @@ def _check_report(out: str, min_acc: float) -> float:
 
 
 @needs_data
+@pytest.mark.job
 def test_cnn_mpi_smoke():
     pytest.importorskip("torch")
     res = run_job([sys.executable, "examples/cnn_mpi.py", *SMOKE, "--threads", "1"], n=2, timeout=120)
@@ -55,6 +56,7 @@ def test_cnn_mpi_smoke():
 
 
 @needs_data
+@pytest.mark.job
 def test_mlp_numpy_smoke():
     res = run_job([sys.executable, "examples/mlp_numpy.py", *SMOKE], n=2, timeout=120)
     assert res.returncode == 0, res.stdout[-6000:]
@@ -62,6 +64,7 @@ def test_mlp_numpy_smoke():
 
 
 @pytest.mark.parametrize("script", ["mlp_numpy.py", "cnn_mpi.py"])
+@pytest.mark.job
 def test_missing_data_dir_message(script, tmp_path):
     if script == "cnn_mpi.py":
         pytest.importorskip("torch")
@@ -80,6 +83,7 @@ def _write_idx(path: Path, array: np.ndarray, code: int) -> None:
     path.write_bytes(data)
 
 
+@pytest.mark.unit
 def test_loader_reads_raw_and_gz(tmp_path):
     rng = np.random.default_rng(0)
     images = {s: rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) for s, n in (("train", 5), ("t10k", 3))}
@@ -98,6 +102,7 @@ def test_loader_reads_raw_and_gz(tmp_path):
         fashion_mnist.read_idx(tmp_path / "bad")
 
 
+@pytest.mark.unit
 def test_mlp_gradients_match_finite_differences():
     import mlp_numpy
 
@@ -121,6 +126,7 @@ def test_mlp_gradients_match_finite_differences():
 @pytest.mark.parametrize("flags", [["--dist-option", "dgc", "--dgc-warmup-steps", "1", "--dgc-clip-norm", "5"],
                                    ["--dist-option", "powerSGD", "--powersgd-start-step", "1"]],
                          ids=["dgc", "powerSGD"])
+@pytest.mark.job
 def test_cnn_mpi_dgc_and_powersgd(flags):
     """The strategy objects through cnn_mpi's flags: 20 steps (DGC: 4 one-step warm-up stages, the first
     sent densely, then 99.9 %; PowerSGD: 1 dense step, then rank 2) send under 0.1 of the dense bytes
@@ -134,6 +140,7 @@ def test_cnn_mpi_dgc_and_powersgd(flags):
 
 
 @needs_data
+@pytest.mark.job
 def test_cnn_multiprocess_smoke():
     """SINGA's multiprocess launch mode: 2 spawned processes over the shared-memory backend."""
     pytest.importorskip("torch")
@@ -154,6 +161,7 @@ STRATEGY_MARGIN = 0.08
 
 
 @needs_data
+@pytest.mark.job
 def test_cnn_strategies_converge_like_dense():
     """Issue 3: each strategy's short CNN run stays within STRATEGY_MARGIN of plain all-reduce."""
     pytest.importorskip("torch")

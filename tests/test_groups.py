@@ -210,6 +210,7 @@ def _reference_training(steps: int, world: int) -> list[np.ndarray]:
 
 
 # ------------------------------------------------------------------ tests
+@pytest.mark.unit
 def test_eligible_layouts():
     assert _eligible([[0, 1], [2, 3]]) == ""
     assert "one node" in _eligible([[0, 1, 2, 3]])
@@ -217,6 +218,7 @@ def test_eligible_layouts():
     assert "one process per node" in _eligible([[0], [1]])
 
 
+@pytest.mark.unit
 def test_hierarchical_choice_on_one_process():
     comm = SingleCommunicator()
     assert hierarchical_for(comm, None) is comm and hierarchical_for(comm, False) is comm
@@ -231,6 +233,7 @@ def test_hierarchical_choice_on_one_process():
 
 
 @pytest.mark.parametrize("backend", GROUP_BACKENDS)
+@pytest.mark.world
 def test_groups_reduce_inside_each_group(backend):
     results = run_case(backend, 4, case_group_collectives)
     for rank, res in enumerate(results):
@@ -242,17 +245,20 @@ def test_groups_reduce_inside_each_group(backend):
 
 
 @pytest.mark.parametrize("backend", GROUP_BACKENDS)
+@pytest.mark.world
 def test_groups_disagreeing_members_raise_on_every_rank_naming_the_group(backend):
     for message in run_case(backend, 4, case_group_mismatch):
         assert "new_group" in message and "disagree" in message and "rank 3: [1, 2]" in message, message
 
 
+@pytest.mark.world
 def test_groups_bad_ranks_raise_on_every_rank():
     for message in run_case("mpi", 2, case_bad_ranks):
         assert message.startswith("new_group: rank 1 passed bad ranks") and "[0, 2)" in message, message
 
 
 @pytest.mark.parametrize("backend", GROUP_BACKENDS)
+@pytest.mark.world
 def test_groups_train_the_data_parallel_halves_of_a_2x2_layout(backend):
     steps = 4
     results = run_case(backend, 4, case_data_parallel_halves, steps, timeout=180)
@@ -263,6 +269,7 @@ def test_groups_train_the_data_parallel_halves_of_a_2x2_layout(backend):
     assert results[0] == results[2] and results[1] == results[3]
 
 
+@pytest.mark.world
 def test_groups_distopt_on_a_rank_outside_the_group():
     results = run_case("mpi", 2, case_non_member)
     assert results[0] == "member"
@@ -270,11 +277,13 @@ def test_groups_distopt_on_a_rank_outside_the_group():
 
 
 @pytest.mark.parametrize("backend", HIER_BACKENDS)
+@pytest.mark.world
 def test_hierarchical_passes_the_backend_conformance_suite(backend):
     assert run_case(backend, 4, case_hier_conformance, timeout=240) == [True] * 4
 
 
 @pytest.mark.parametrize("backend", HIER_BACKENDS)
+@pytest.mark.world
 def test_hierarchical_matches_flat_and_is_identical_on_every_rank(backend):
     for res in run_case(backend, 4, case_hier_against_flat, timeout=180):
         assert res["same_everywhere"]
@@ -283,6 +292,7 @@ def test_hierarchical_matches_flat_and_is_identical_on_every_rank(backend):
 
 
 @pytest.mark.parametrize("backend", HIER_BACKENDS)
+@pytest.mark.world
 def test_hierarchical_training_equals_one_process(backend):
     steps = 3
     results = run_case(backend, 4, case_hier_training, steps, timeout=180)
@@ -317,6 +327,7 @@ _UTS = ["unshare", "--uts", "sh", "-c", 'hostname "node$(( ${PMI_RANK:-${RANK:-0
 @pytest.mark.parametrize(("launcher", "choice", "expect"), [("mpiexec", "auto", False), ("mpiexec", "on", True),
                                                             ("mpiexec", "off", False), ("torchrun", "auto", True),
                                                             ("torchrun", "off", False)])
+@pytest.mark.world
 def test_hierarchical_is_chosen_from_the_host_names(tmp_path, launcher, choice, expect):
     """Ranks in UTS namespaces node0, node0, node1, node1: the automatic choice is hierarchical on the torch
     backend only (MPI's own all-reduce keeps its traffic inside the nodes); True and False are obeyed."""

@@ -39,6 +39,7 @@ CLI_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.unit
 def test_nccl_id_holder_pickles():
     holder = NcclIdHolder()
     copy = pickle.loads(pickle.dumps(holder))
@@ -48,6 +49,7 @@ def test_nccl_id_holder_pickles():
     assert holder.job_id in repr(holder)
 
 
+@pytest.mark.unit
 def test_progress_bar_only_on_rank_0():
     items = [1, 2, 3]
     assert progress(items, rank=1) is items
@@ -55,6 +57,7 @@ def test_progress_bar_only_on_rank_0():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_fail_fast_h02(tmp_path):
     """Rank 1 raises; ranks 0 and 2 wait in a barrier: spawn raises promptly and reaps all."""
     holder = NcclIdHolder()
@@ -74,6 +77,7 @@ def test_fail_fast_h02(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_killed_worker_reported_with_signal():
     """Rank 1 SIGKILLs itself: reported as killed by SIGKILL; its segments are swept."""
     holder = NcclIdHolder()
@@ -85,6 +89,7 @@ def test_killed_worker_reported_with_signal():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_log_forwarding_h25c(capfd):
     spawn(shm_workers.log_worker, 3, timeout=50)
     out = capfd.readouterr().out
@@ -103,6 +108,7 @@ def _cli(tmp_path: Path, *args: str, timeout: float = 40) -> subprocess.Complete
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_cli_runs_all_reduce(tmp_path):
     res = _cli(tmp_path)
     assert res.returncode == 0, res.stderr
@@ -112,6 +118,7 @@ def test_cli_runs_all_reduce(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_cli_fail_fast(tmp_path):
     start = time.monotonic()
     res = _cli(tmp_path, "fail")
@@ -221,6 +228,7 @@ def _kill_launcher(tmp_path: Path, argv: list[str], sig: int, ignore_sigint: boo
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.job
 def test_h45_spawn_parent_killed(tmp_path, sig):
     (tmp_path / "parent.py").write_text(SPAWN_PARENT)
     _kill_launcher(tmp_path, ["parent.py"], sig)
@@ -228,6 +236,7 @@ def test_h45_spawn_parent_killed(tmp_path, sig):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.job
 def test_h45_cli_launcher_killed(tmp_path, sig):
     (tmp_path / "child.py").write_text(CLI_CHILD)
     _kill_launcher(tmp_path, ["-m", "distopt.launch", "-n", "2", "child.py"], sig)
@@ -235,6 +244,7 @@ def test_h45_cli_launcher_killed(tmp_path, sig):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("launcher", ["spawn", "cli"])
+@pytest.mark.job
 def test_h45_launcher_with_sigint_ignored_ends_job(tmp_path, launcher):
     """As torchrun: SIGINT ends the job even when the launcher started with SIGINT ignored."""
     script, argv = {"spawn": (SPAWN_PARENT, ["parent.py"]),

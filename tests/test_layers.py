@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 
 #: Layers from the top (the face) down; a module may import its own layer or any layer below it.

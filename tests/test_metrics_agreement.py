@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distopt.metrics import broadcast_object, reduce_metrics
-from tests.backends import run_case
+from tests.backends import run_case, tiered
 
 
 def case_metric_and_object_errors(rank: int, comm) -> dict:
@@ -29,7 +29,7 @@ def case_metric_and_object_errors(rank: int, comm) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("backend", "size"), [("sim", 3), ("mpi", 3), ("shm", 2), ("torch", 2)])
+@pytest.mark.parametrize(("backend", "size"), tiered([("sim", 3), ("mpi", 3), ("shm", 2), ("torch", 2)]))
 def test_metric_and_object_arguments_are_checked_on_every_rank(backend, size):
     for res in run_case(backend, size, case_metric_and_object_errors):
         assert res["keys"].startswith("CollectiveMismatchError: all_reduce_metrics: the ranks passed different"), res

@@ -110,6 +110,7 @@ def _wait_for_workers(pid: int, timeout: float = 90.0) -> None:
 
 
 # --------------------------------------------------------------- anywhere
+@pytest.mark.unit
 def test_parse_rate_and_format():
     assert netsim.parse_rate("1gbit") == 1e9
     assert netsim.parse_rate("0.1gbit") == pytest.approx(1e8)
@@ -121,6 +122,7 @@ def test_parse_rate_and_format():
             netsim.parse_rate(bad)
 
 
+@pytest.mark.unit
 def test_targets_and_crossings_from_results():
     rec = {"results": {"ddp": {"time_ms": 100.0}, "dense": {"time_ms": 90.0}, "half": {"time_ms": 45.0},
                        "topk1": {"time_ms": 20.0}}, "link_allreduce_ms": 80.0}
@@ -135,6 +137,7 @@ def test_targets_and_crossings_from_results():
     assert netsim.crossings(sweep)["half"]["faster_than_dense_at"] == ["100mbit"]
 
 
+@pytest.mark.job
 def test_without_root_exits_2_with_a_message():
     """Not root: exit status 2 and a message naming the need (as root, with ``os.geteuid`` made to say 1000)."""
     argv = [str(NETSIM), *TINY]
@@ -153,6 +156,7 @@ def test_without_root_exits_2_with_a_message():
 # -------------------------------------------------------------- as root
 @needs_netns
 @needs_torch
+@pytest.mark.job
 def test_tiny_step_run_json_and_teardown(tmp_path):
     links = _root_links()
     out = tmp_path / "netsim.json"
@@ -182,6 +186,7 @@ def test_tiny_step_run_json_and_teardown(tmp_path):
 @needs_netns
 @needs_torch
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.job
 def test_signal_midway_leaves_nothing(sig):
     """A run stopped by SIGINT (Ctrl-C) or SIGTERM while its ranks train exits 128+signal, all torn down."""
     links = _root_links()
@@ -202,6 +207,7 @@ def test_signal_midway_leaves_nothing(sig):
 
 @needs_netns
 @needs_torch
+@pytest.mark.job
 def test_sigkilled_driver_children_die_and_cleanup_removes_the_rest():
     """SIGKILL leaves the namespaces, but the ranks die with the driver and --cleanup removes the rest."""
     links = _root_links()
@@ -223,6 +229,7 @@ def test_sigkilled_driver_children_die_and_cleanup_removes_the_rest():
 
 
 @needs_netns
+@pytest.mark.job
 def test_cleanup_removes_leftovers_of_dead_drivers():
     """``--cleanup`` deletes the namespace and ``/etc/netns`` entry named after a driver pid that is gone."""
     dead = subprocess.Popen(["true"])

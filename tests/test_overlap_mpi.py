@@ -5,6 +5,8 @@ import pytest
 
 from tests.harness import run_mpi_suite
 
+pytestmark = pytest.mark.world
+
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_overlap(n):

@@ -26,12 +26,14 @@ OMPI = {"OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_CO
     ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}, (5, 1, 8), "Slurm"),
     ({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "8"}, (4, 0, 8), "torchrun"),
 ], ids=["OMPI", "MPICH", "Slurm", "torchrun"])
+@pytest.mark.unit
 def test_h23_launcher_env(env, expected, source):
     for info in (from_env(env), resolve(env=env)):
         assert triple(info) == expected
         assert info.source == source
 
 
+@pytest.mark.unit
 def test_h23_round_robin_hosts_no_env():
     hosts = ["A", "B", "A", "B"]  # 4 MPI ranks round-robin on two hosts
     gpu_per_node = 2
@@ -47,11 +49,13 @@ def test_h23_round_robin_hosts_no_env():
     assert [r % gpu_per_node for r in (0, 2)] == [0, 0]
 
 
+@pytest.mark.unit
 def test_h23_single_visible_device():
     assert device_index(1, {"CUDA_VISIBLE_DEVICES": "3"}) == 0
     assert device_index(1, {"CUDA_VISIBLE_DEVICES": "3"}, device_count=1, local_size=2) == 0
 
 
+@pytest.mark.unit
 def test_h23_explicit_wins_over_env():
     info = resolve(gpu_num=1, gpu_per_node=4, env=OMPI)
     assert triple(info) == (1, 1, 4)
@@ -63,11 +67,13 @@ def test_h23_explicit_wins_over_env():
 
 # --- environment -------------------------------------------------------------
 
+@pytest.mark.unit
 def test_no_launcher_info_is_single_process():
     assert from_env({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}) is None
     assert resolve(env={}) == RankInfo(0, 1, 0, 1, 0, 1, "single")
 
 
+@pytest.mark.unit
 def test_full_variable_sets():
     info = from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                      "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"})
@@ -78,6 +84,7 @@ def test_full_variable_sets():
     assert info == RankInfo(6, 8, 2, 4, None, None, "MPICH")
 
 
+@pytest.mark.unit
 def test_slurm_local_size_only_when_even():
     base = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
             "SLURM_NNODES": "2"}
@@ -87,6 +94,7 @@ def test_slurm_local_size_only_when_even():
     assert from_env({**base, "SLURM_NTASKS_PER_NODE": "4(x2)"}).local_size is None
 
 
+@pytest.mark.unit
 def test_precedence():
     slurm = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}  # inherited batch shell
     torch = {"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "8"}
@@ -98,6 +106,7 @@ def test_precedence():
     assert from_env({**slurm, **torch}).source == "torchrun"
 
 
+@pytest.mark.unit
 def test_slurm_allocation_shell_is_not_a_launch():
     assert from_env({"SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_JOB_ID": "1"}) is None
 
@@ -116,6 +125,7 @@ def test_slurm_allocation_shell_is_not_a_launch():
     ({"PMI_RANK": "x", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}, ["PMI_RANK='x'", "not an integer"]),
     ({"PMI_RANK": "-1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}, ["PMI_RANK=-1"]),
 ])
+@pytest.mark.unit
 def test_inconsistent_env_raises(env, words):
     with pytest.raises(ValueError) as err:
         from_env(env)
@@ -127,6 +137,7 @@ def test_inconsistent_env_raises(env, words):
 
 # --- hosts -------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_from_hosts_block_and_uneven():
     hosts = ["n1", "n1", "n1", "n2", "n0"]
     infos = [from_hosts(hosts, r) for r in range(5)]
@@ -135,6 +146,7 @@ def test_from_hosts_block_and_uneven():
     assert all(i.num_nodes == 3 and i.source == "hosts" for i in infos)
 
 
+@pytest.mark.unit
 def test_from_hosts_bad_rank():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         from_hosts(["a", "b"], 2)
@@ -144,6 +156,7 @@ def test_from_hosts_bad_rank():
 
 # --- explicit ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_explicit():
     assert from_explicit(3, 4, node_rank=2, num_nodes=3) == RankInfo(11, 12, 3, 4, 2, 3, "explicit")
 
@@ -155,6 +168,7 @@ def test_explicit():
     (dict(gpu_num=0, gpu_per_node=2, num_nodes=0), "num_nodes must be >= 1, got 0"),
     (dict(gpu_num=0, gpu_per_node=2, node_rank=2, num_nodes=2), "node_rank must be in [0, num_nodes=2), got 2"),
 ])
+@pytest.mark.unit
 def test_explicit_validation(kwargs, message):
     with pytest.raises(ValueError) as err:
         from_explicit(**kwargs)
@@ -164,11 +178,13 @@ def test_explicit_validation(kwargs, message):
     assert str(err.value) == message
 
 
+@pytest.mark.unit
 def test_explicit_type_check():
     with pytest.raises(TypeError, match="gpu_num must be an int"):
         from_explicit(1.0, 4)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_resolve_needs_gpu_num_and_gpu_per_node_together():
     with pytest.raises(ValueError, match="gpu_num was given without gpu_per_node"):
         resolve(gpu_num=1, env={})
@@ -178,6 +194,7 @@ def test_resolve_needs_gpu_num_and_gpu_per_node_together():
         resolve(node_rank=1, num_nodes=2, env={})
 
 
+@pytest.mark.unit
 def test_resolve_env_before_mpi():
     class NoComm:  # any collective on it would fail
         def __getattr__(self, name):
@@ -185,6 +202,7 @@ def test_resolve_env_before_mpi():
     assert resolve(env=OMPI, mpi_comm=NoComm()).source == "OMPI"
 
 
+@pytest.mark.unit
 def test_rank_info_validates():
     with pytest.raises(ValueError, match="global_rank"):
         RankInfo(2, 2, 0, 1, 0, 1, "x")
@@ -225,6 +243,7 @@ class FakeComm:
         return self.gathered.pop(0)
 
 
+@pytest.mark.unit
 def test_mpi_branch_uses_shared_memory_groups():
     pytest.importorskip("mpi4py")
     leaders, names = [0, 1, 0, 1], ["A", "B", "A", "B"]
@@ -234,6 +253,7 @@ def test_mpi_branch_uses_shared_memory_groups():
     assert {i.source for i in infos} == {"mpi"}
 
 
+@pytest.mark.unit
 def test_mpi_branch_falls_back_to_host_names_when_shared_split_is_all_singletons():
     pytest.importorskip("mpi4py")
     leaders, names = [0, 1, 2, 3], ["A", "A", "B", "B"]  # AMReX #3382: every rank alone
@@ -244,6 +264,7 @@ def test_mpi_branch_falls_back_to_host_names_when_shared_split_is_all_singletons
 
 # --- devices -----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_device_index_visible_devices():
     env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     assert [device_index(r, env) for r in range(4)] == [0, 1, 2, 3]
@@ -261,6 +282,7 @@ def test_device_index_visible_devices():
     (2, {}, 2, None),
     (2, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 2, None),  # the runtime sees fewer
 ])
+@pytest.mark.unit
 def test_more_local_ranks_than_devices_raises(local_rank, env, count, size):
     with pytest.raises(ValueError, match="visible devices.*share a GPU.*Duplicate GPU"):
         device_index(local_rank, env, device_count=count, local_size=size)
@@ -270,11 +292,13 @@ def test_more_local_ranks_than_devices_raises(local_rank, env, count, size):
                                         ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, None),
                                         ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
                                         ({}, 0)])
+@pytest.mark.unit
 def test_no_visible_device_raises(env, count):
     with pytest.raises(ValueError, match="no visible device"):
         device_index(0, env, device_count=count)
 
 
+@pytest.mark.unit
 def test_device_index_argument_checks():
     with pytest.raises(ValueError, match="local_rank must be >= 0"):
         device_index(-1, {})
@@ -284,6 +308,7 @@ def test_device_index_argument_checks():
 
 # --- real processes ----------------------------------------------------------
 
+@pytest.mark.world
 def test_two_processes_resolve_from_mpi():
     """mpiexec -n 2: resolve(mpi_comm=COMM_WORLD, env={}) gives local ranks {0, 1}, distinct devices."""
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=mpi_*.py",
@@ -296,6 +321,7 @@ def test_two_processes_resolve_from_mpi():
     assert elapsed < 30.0, f"2-process rank check took {elapsed:.1f} s"
 
 
+@pytest.mark.unit
 def test_srun_pmi2_uses_slurm_local_rank():
     """srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE without MPI_LOCALRANKID: Slurm's variables give the local rank."""
     env = {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}

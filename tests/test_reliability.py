@@ -38,6 +38,8 @@ from tests.faults import shm_faults
 from tests.harness import MPI_DIR, rank_streams, run_job
 from tests.shm_workers import job_segments, pid_alive, run_with_killed_rank
 
+pytestmark = pytest.mark.job
+
 FAULTS = Path(__file__).resolve().parent / "faults"
 DEADLINE = 3.0  # collective timeout where a timeout is the expected outcome
 JOB_LIMIT = 30.0  # H02: "the whole job terminates within 30 s"

@@ -18,6 +18,7 @@ from tests.shm_workers import job_segments
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
+@pytest.mark.world
 def test_conformance(nprocs):
     holder = NcclIdHolder()
     spawn(shm_workers.conformance_worker, nprocs, nccl_id=holder, timeout=50)
@@ -26,11 +27,13 @@ def test_conformance(nprocs):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.world
 def test_sharded_collectives(nprocs):
     """reduce_scatter, all_gather_into and all_to_all (tests/conformance.py's SHARD_CHECKS)."""
     assert run_case("shm", nprocs, conformance.shard_case, timeout=100) == [len(conformance.SHARD_CHECKS)] * nprocs
 
 
+@pytest.mark.unit
 def test_registry_and_local_checks():
     holder = NcclIdHolder()
     with create("shm", rank=0, size=1, job_id=holder.job_id, timeout=5) as comm:
@@ -51,6 +54,7 @@ def test_registry_and_local_checks():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.world
 def test_dead_peer_is_named_promptly():
     """Rank 1 is SIGKILLed mid-sequence: ranks 0 and 2 raise naming it, long before the timeout."""
     holder = NcclIdHolder()
@@ -67,6 +71,7 @@ def test_dead_peer_is_named_promptly():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.world
 def test_skipped_collective_times_out_naming_rank():
     holder = NcclIdHolder()
     all_done = multiprocessing.get_context("spawn").Barrier(3)
@@ -74,6 +79,7 @@ def test_skipped_collective_times_out_naming_rank():
     assert job_segments(holder.job_id) == []
 
 
+@pytest.mark.unit
 def test_rendezvous_times_out_naming_missing_rank():
     holder = NcclIdHolder()
     with pytest.raises(CollectiveTimeoutError, match=r"rendezvous .*rank 1 did not join"):

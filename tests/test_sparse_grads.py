@@ -198,6 +198,7 @@ def check_mismatch(messages: list[str]) -> None:
 # ------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.unit
 def test_sparse_gradients_match_one_process(kind: str, world: int):
     """SparseAdam, sparse SGD (embedding alone, and with a dense Linear in the same optimizer),
     sparse_as_dense with SparseAdam (handed back sparse) and with Adam (dense), no_sync and
@@ -207,12 +208,14 @@ def test_sparse_gradients_match_one_process(kind: str, world: int):
 
 
 @pytest.mark.parametrize("kind", ["sparse_adam", "sgd_mixed", "dense_sparse_adam", "no_sync", "join"])
+@pytest.mark.unit
 def test_sparse_gradients_without_overlap(kind: str):
     """overlap=False: the buckets start after backward, the sparse average is the same."""
     check_train(run_case("sim", 2, case_train, kind, False), kind, 2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.unit
 def test_16_and_32_bit_sparse_gradients(dtype: str):
     """The values travel as raw bytes: any dtype; W = 3, every row's count of lookups over 3, twice."""
     def rank_fn(rank: int, comm: Any) -> Any:
@@ -234,10 +237,12 @@ def test_16_and_32_bit_sparse_gradients(dtype: str):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_ranks_that_disagree_on_a_sparse_gradient_raise_on_every_rank(world: int):
     check_mismatch(run_case("sim", world, case_mismatch))
 
 
+@pytest.mark.unit
 def test_steady_state_costs_two_all_gathers_and_the_header():
     """After the first step (classification, then the dense layout without the embedding), a mixed
     model's step is the dense header plus the two sparse all-gathers; a dense-only model pays the
@@ -261,6 +266,7 @@ def test_steady_state_costs_two_all_gathers_and_the_header():
         assert sorted(calls[2]) == sorted(["all_gather", "all_gather_v", "all_gather_v", "all_reduce_async"]), calls
 
 
+@pytest.mark.unit
 def test_zero_and_bucket_views_densify_sparse_gradients():
     """zero=1 and gradient_as_bucket_view=True average sparse gradients densely (as sparse_as_dense)."""
     def rank_fn(rank: int, comm: Any, how: str) -> list[Any]:
@@ -282,6 +288,7 @@ def test_zero_and_bucket_views_densify_sparse_gradients():
                 torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.unit
 def test_check_finite_skips_a_non_finite_sparse_average_on_every_rank():
     def rank_fn(rank: int, comm: Any) -> tuple[Any, Any]:
         emb, _, params = build("sgd")
@@ -299,6 +306,7 @@ def test_check_finite_skips_a_non_finite_sparse_average_on_every_rank():
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])
+@pytest.mark.world
 def test_every_case_on(backend: str, world: int):
     """Every kind and the mismatch on real processes (one job per backend and W, under a timeout)."""
     results = run_case(backend, world, case_every, timeout=240)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 
 from tests.gpu import require_device  # noqa: E402
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.harness import MPI_DIR, run_job
 
+pytestmark = pytest.mark.world
+
 SUITE = "mpi_strategies.py"
 
 

@@ -35,6 +35,8 @@ from distopt.core.counters import Counters
 from distopt.strategies import REGISTRY, Example
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(5, 7), (1,), (7,), (5, 1, 5)]  # 35, 1, 7, 25 elements
 THRESHOLD, BUFF_SIZE = 16, 20              # (5, 7) and (5, 1, 5) alone; (1,) and (7,) fused
 EXAMPLES = [pytest.param(e, id=e.id) for e in REGISTRY.values()]

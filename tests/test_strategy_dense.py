@@ -14,6 +14,8 @@ from distopt.core.counters import Counters
 from distopt.strategies import BucketContext, Dense
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 def _ctx(comm, n: int, viewed: bool) -> BucketContext:
     bucket, = plan_buckets([((n,), np.dtype(np.float64))], 1, n)

@@ -16,6 +16,8 @@ from distopt import SGD, DistOpt
 from distopt.strategies import DGC
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 # ---------------------------------------------------------------- DGC, by hand
 # W=2, one bucket of 8 float32 elements, the same gradient every step per rank, momentum 0.5,

@@ -14,6 +14,8 @@ from distopt.core.counters import Counters
 from distopt.strategies import BucketContext, Half
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 def test_half_clips_predivides_and_averages_on_a_16_bit_wire():
     grads = [[3.0, -0.25, 1.0, 0.0], [1.0, 0.5, -5.0, 0.25]]  # clip 2: [2, -.25, 1, 0] and [1, .5, -2, .25]

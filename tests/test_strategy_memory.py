@@ -23,6 +23,8 @@ from tests.strategy_data import grads_for as _grads
 from tests.strategy_data import params_for as _params
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------- Residuals
 def test_residuals_start_at_zero_and_are_updated_in_place():

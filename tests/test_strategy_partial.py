@@ -13,6 +13,8 @@ from distopt import SGD, DistOpt
 from distopt.strategies import ChunkCursor, Partial, ParameterAverager
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 
 def test_chunk_cursor_wraps_and_round_trips():
     cursor = ChunkCursor()

@@ -16,6 +16,8 @@ from distopt.core.counters import Counters
 from distopt.strategies import Sparse, average_sparse
 from tests.simworld import run_world
 
+pytestmark = pytest.mark.unit
+
 # W=2, n=8 float32, int32 indices: a pair is 8 bytes, the dense bucket 32
 GRADS = [[4, 1, 0, 0, 0, 0, 0, 2], [1, 0, 3, 0, 0, 0, 0, 0.5]]
 

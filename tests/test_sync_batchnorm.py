@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.backends import run_case
+from tests.backends import run_case, tiered
 
 torch = pytest.importorskip("torch")
 
@@ -117,6 +117,7 @@ def _check(got: list[dict[str, np.ndarray]], ref: dict[str, np.ndarray], sizes: 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("ndim", [2, 3, 4, 5])
+@pytest.mark.unit
 def test_simulated_world_matches_batchnorm_over_the_concatenated_batch(world, ndim):
     sizes = SIZES[world]
     for channels, dtype, momentum, convert in ((3, "float64", 0.3, False), (2, "float64", None, True),
@@ -128,6 +129,7 @@ def test_simulated_world_matches_batchnorm_over_the_concatenated_batch(world, nd
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("backend", REAL)
+@pytest.mark.world
 def test_real_processes_match_batchnorm_over_the_concatenated_batch(backend, world):
     sizes = SIZES[world]
     results = run_case(backend, world, case_all_inputs, sizes, timeout=180)
@@ -166,7 +168,7 @@ def case_eval_and_errors(rank: int, comm: Any) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("backend", ["sim", *REAL])
+@pytest.mark.parametrize("backend", tiered(["sim", *REAL]))
 def test_eval_does_not_communicate_and_bad_inputs_fail_on_every_rank(backend):
     world = 3 if backend == "sim" else 2
     found = run_case(backend, world, case_eval_and_errors, timeout=120)
@@ -213,7 +215,7 @@ def case_distopt_training(rank: int, comm: Any, sizes: tuple[int, ...]) -> list[
     return [t.detach().numpy().copy() for t in model.state_dict().values()]
 
 
-@pytest.mark.parametrize("backend", ["sim", "mpi"])
+@pytest.mark.parametrize("backend", tiered(["sim", "mpi"]))
 def test_distopt_training_with_converted_model_equals_one_process(backend):
     sizes = (2, 0, 3)
     got = run_case(backend, 3, case_distopt_training, sizes, timeout=120)
@@ -249,7 +251,7 @@ def case_join(rank: int, comm: Any, with_model: bool) -> dict[str, Any]:
     return {"type": None, "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("backend", ["sim", *REAL])
+@pytest.mark.parametrize("backend", tiered(["sim", *REAL]))
 def test_join_with_sync_batchnorm_fails_fast_on_every_rank(backend):
     for with_model in ((True, False) if backend == "sim" else (True,)):
         found = run_case(backend, 2, case_join, with_model, timeout=120)
@@ -259,6 +261,7 @@ def test_join_with_sync_batchnorm_fails_fast_on_every_rank(backend):
         assert "SyncBatchNorm(4) forward" in found[0]["message"] and "DistOpt.join()" in found[0]["message"]
 
 
+@pytest.mark.unit
 def test_convert_keeps_tensors_settings_and_requires_grad():
     net = torch.nn.Sequential(torch.nn.BatchNorm1d(3, eps=1e-3, momentum=None),
                               torch.nn.Sequential(torch.nn.BatchNorm3d(2, affine=False)),
@@ -280,6 +283,7 @@ def test_convert_keeps_tensors_settings_and_requires_grad():
         convert_sync_batchnorm(torch.nn.LazyBatchNorm2d())
 
 
+@pytest.mark.unit
 def test_comm_sources_groups_copies_and_pickling():
     import copy
 
@@ -333,6 +337,7 @@ def case_variants(rank: int, comm: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.unit
 def test_input_without_grad_affine_false_and_frozen_parameters():
     got = run_case("sim", 2, case_variants)
     d = _data(3, SIZES[2], 3, "float64")
@@ -354,6 +359,7 @@ def test_input_without_grad_affine_false_and_frozen_parameters():
         assert all(g[name][2] is None for g in got), name
 
 
+@pytest.mark.unit
 def test_default_comm_is_the_current_world_else_init(monkeypatch):
     from distopt.comm.single import SingleCommunicator
     from distopt.launch import world

@@ -14,6 +14,8 @@ from distopt import CollectiveMismatchError, CollectiveTimeoutError, DistOpt  # 
 from distopt.strategies import Half  # noqa: E402
 from tests.simworld import RankFailed, run_world  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 
 

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 from distopt import DistOpt  # noqa: E402
 from tests.simworld import run_world  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 W, B, STEPS = 2, 4, 3
 RESULTS: dict[str, tuple[float, bool]] = {}
 

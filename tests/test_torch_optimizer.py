@@ -32,6 +32,7 @@ def _identical(results: list[Any], pick: Any = lambda r: r) -> bool:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("kind", cases.SCHEDULERS)
+@pytest.mark.unit
 def test_lr_schedulers_accept_it_and_match_one_process(kind: str, world: int):
     _check_scheduler(run_case("sim", world, cases.case_scheduler, kind), kind, world)
 
@@ -56,12 +57,14 @@ def _check_state_dict(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_state_dict_is_torchs_layout_and_loads_both_ways(world: int):
     _check_state_dict(run_case("sim", world, cases.case_state_dict))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("line_search", [None, "strong_wolfe"], ids=["plain", "strong_wolfe"])
+@pytest.mark.unit
 def test_h61_lbfgs_step_closure_equals_one_process(line_search: str | None, world: int):
     """Every closure evaluation's gradient and loss are averaged: the ranks evaluate the closure as often
     as one process on the full batch does, and land where it lands."""
@@ -76,6 +79,7 @@ def _check_lbfgs(results: list[Any], line_search: str | None, world: int) -> Non
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_learning_rates_that_drift_apart_raise_on_every_rank(world: int):
     messages = run_case("sim", world, cases.case_lr_mismatch)
     for m in messages:
@@ -83,6 +87,7 @@ def test_learning_rates_that_drift_apart_raise_on_every_rank(world: int):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_broadcast_state_carries_the_schedulers(world: int):
     assert run_case("sim", world, cases.case_broadcast_state) == [(0.0125, 3)] * world
 
@@ -95,6 +100,7 @@ def _check_join(results: list[Any], world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("counts", ["rank0_first", "rank0_last"])
+@pytest.mark.unit
 def test_h51_join_with_a_batchnorm_model(counts: str, world: int):
     """Uneven batch counts with buffers broadcast before each forward: joined ranks (rank 0 among them)
     shadow the broadcasts of the ranks still training; parameters and buffers end identical."""
@@ -115,6 +121,7 @@ def _check_horovod(results: list[dict[str, Any]], world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_horovod_and_ddp_idioms(world: int):
     _check_horovod(run_case("sim", world, cases.case_horovod_idioms), world)
 
@@ -122,6 +129,7 @@ def test_horovod_and_ddp_idioms(world: int):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("variant", ["once", "twice", "passes", "no_sync"])
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.unit
 def test_h48_activation_checkpointing(reentrant: bool, variant: str, world: int):
     """Every use of a checkpointed block is summed as in one process, and one step makes one reduction."""
     _check_checkpointing(run_case("sim", world, cases.case_checkpointing, reentrant, variant), variant, world)
@@ -137,11 +145,13 @@ def _check_checkpointing(results: list[Any], variant: str, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_two_distopts_over_overlapping_parameters_average_each_gradient_once(world: int):
     assert run_case("sim", world, cases.case_two_optimizers) == [cases.expected_two_optimizers(world)] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_distopt_save_and_load_keep_torch_layout_and_per_rank_residuals(world: int, tmp_path):
     for uninterrupted, resumed in run_case("sim", world, cases.case_save_load, str(tmp_path / "ckpt.pt")):
         assert torch.equal(uninterrupted, resumed)
@@ -161,6 +171,7 @@ def _dtype_ok(got: Any, want: Any, strategy: str, world: int) -> bool:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", ["dense", "half", "half_bf16"])
 @pytest.mark.parametrize("dtypes", [["bfloat16"], cases.DTYPES], ids=["bfloat16", "mixed"])
+@pytest.mark.unit
 def test_h55_every_floating_dtype(dtypes: list[str], strategy: str, world: int):
     """bfloat16 (and float16, float32, float64 in one model): the parameters keep their dtype, the update
     is the average of the local gradients (bitwise with a dense wire, else within the wire's rounding),
@@ -181,12 +192,14 @@ def _check_collective_errors(results: list[Any], world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_collective_argument_errors_are_raised_on_every_rank_at_once(world: int):
     _check_collective_errors(run_case("sim", world, cases.case_collective_errors), world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])
+@pytest.mark.world
 def test_every_item_on(backend: str, world: int, tmp_path):
     results = run_case(backend, world, cases.case_every_item, str(tmp_path / "ckpt.pt"), timeout=240)
     assert all(torch.equal(*r["save_load"]) for r in results)
@@ -215,6 +228,7 @@ def test_every_item_on(backend: str, world: int, tmp_path):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.unit
 def test_step_hooks_zero_grad_and_add_param_group(world: int):
     _check_surface(run_case("sim", world, cases.case_optimizer_surface), world)
 
@@ -229,6 +243,7 @@ def _check_surface(results: list[Any], world: int) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("example_id", sorted(REGISTRY))
+@pytest.mark.unit
 def test_h55_16_bit_parameters_in_every_strategy(example_id: str, dtype: str):
     """Every registered strategy steps 16-bit PyTorch parameters: they keep their dtype, replicas agree."""
     _check_strategy_dtype(run_case("sim", 2, cases.case_strategy_dtype, example_id, dtype), dtype)
@@ -241,6 +256,7 @@ def _check_strategy_dtype(results: list[Any], dtype: str) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("how", ["no_sync", "passes"])
+@pytest.mark.unit
 def test_h51_join_with_a_batchnorm_model_and_accumulation(how: str, world: int):
     """Inside join() the buffers are broadcast (and shadowed) once per step, at its first forward."""
     _check_identical_pair(run_case("sim", world, cases.case_join_batchnorm_accumulating, [2] + [4] * (world - 1),

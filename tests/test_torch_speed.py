@@ -77,11 +77,13 @@ def _check_control(results: list[dict[str, Any]], overlap: bool) -> None:
 
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "bucket_view"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after_backward"])
+@pytest.mark.unit
 def test_steady_state_torch_step_issues_one_control_collective(overlap: bool, bucket_view: bool):
     _check_control(run_case("sim", 2, case_control_collectives, overlap, bucket_view), overlap)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])
+@pytest.mark.world
 def test_one_control_collective_per_step_on_every_backend(backend: str):
     _check_control(run_case(backend, 2, case_control_collectives, True, False), True)
 
@@ -104,6 +106,7 @@ def case_zero_gradient(rank: int, comm: Any) -> tuple[list[int], Any]:
     return counts, scale.grad.clone()
 
 
+@pytest.mark.unit
 def test_a_gradient_that_is_zero_everywhere_costs_the_flags_and_stays_a_gradient():
     """All-zero reduced gradients are ambiguous (unused, or zero where used): the flags settle them."""
     for counts, grad in run_case("sim", 2, case_zero_gradient):
@@ -122,6 +125,7 @@ def case_blocked_cpu(rank: int, comm: Any, rounds: int, late_s: float) -> tuple[
     return time.process_time() - cpu, time.monotonic() - wall
 
 
+@pytest.mark.world
 def test_torch_backend_waits_without_burning_a_core():
     """Waiting 1 s in all for a late peer (40 waits of 25 ms, each shorter than a busy-poll phase) costs
     rank 0 little CPU: it blocks in ``Work.wait`` instead of polling."""
@@ -130,6 +134,7 @@ def test_torch_backend_waits_without_burning_a_core():
     assert cpu < 0.25 * wall, (cpu, wall)
 
 
+@pytest.mark.unit
 def test_wait_spins_only_as_long_as_recent_waits_took(monkeypatch):
     """After waits of ~1 ms the spin budget is ~2 ms; a later long wait yields the core past it instead of
     spinning through ``busy_s``."""
@@ -154,6 +159,7 @@ def test_wait_spins_only_as_long_as_recent_waits_took(monkeypatch):
     assert wait.spin_budget(backoff) > 0.03
 
 
+@pytest.mark.unit
 def test_wait_budget_stays_within_its_bounds():
     backoff = wait.Backoff(busy_s=1e-3, yield_s=1e-3, min_sleep_s=1e-5, max_sleep_s=1e-4)
     wait.wait_until(lambda: True, 0.0, lambda: CollectiveTimeoutError("never"), backoff=backoff)
@@ -164,6 +170,7 @@ def test_wait_budget_stays_within_its_bounds():
     assert wait.spin_budget(wait.Backoff(busy_s=0.0, yield_s=0.0)) == 0.0  # no spin at all
 
 
+@pytest.mark.job
 def test_torch_step_benchmark_smoke(tmp_path):
     """``benchmarks/torch_step.py`` under torchrun with its smallest settings: the JSON holds both workloads,
     every variant's rounds, and the distopt rows' control collectives (one per step)."""

@@ -70,10 +70,12 @@ def _results(out: str) -> list[list]:
     ("Slurm", {"MASTER_ADDR": "h", "MASTER_PORT": "1"}, "torch"),
     ("Slurm", {}, "mpi"),
 ])
+@pytest.mark.unit
 def test_choose_backend_table(source, env, expected):
     assert world.choose_backend(source, env) == expected
 
 
+@pytest.mark.unit
 def test_plain_process_is_single_without_mpi():
     comm, info = world.build_world(env={})
     assert isinstance(comm, SingleCommunicator) and (info.world_size, info.source) == (1, "single")
@@ -87,11 +89,13 @@ def test_plain_process_is_single_without_mpi():
     ("single", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "torchrun variables .RANK=1, WORLD_SIZE=2. say 2"),
     ("gloo", {}, "backend must be one of"),
 ])
+@pytest.mark.unit
 def test_forced_backend_that_does_not_fit(backend, env, message):
     with pytest.raises(ValueError, match=message):
         world.build_world(backend=backend, env=env)
 
 
+@pytest.mark.unit
 def test_init_returns_ranks_before_any_optimizer():
     w = world.init()
     assert (w.rank, w.world_size, w.local_rank, w.backend) == (0, 1, 0, "single")
@@ -103,6 +107,7 @@ def test_init_returns_ranks_before_any_optimizer():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.job
 def test_torchrun_two_processes_distopt_without_arguments():
     res = _run([*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
                 str(free_port()), str(LAUNCHED / "average_step.py")])
@@ -111,6 +116,7 @@ def test_torchrun_two_processes_distopt_without_arguments():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.job
 def test_torchrun_two_nodes_on_localhost():
     """Two torchrun commands, --nnodes 2 --node-rank 0|1, one process each: ranks 0 and 1, both local rank 0."""
     port = str(free_port())
@@ -123,6 +129,7 @@ def test_torchrun_two_nodes_on_localhost():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_slurm_variables_with_master_addr_use_torch():
     port = str(free_port())
     outs = _run_together([(f"Slurm task {r}", [sys.executable, str(LAUNCHED / "average_step.py")],
@@ -132,6 +139,7 @@ def test_slurm_variables_with_master_addr_use_torch():
     assert [_results(o) for o in outs] == [[["torch", r, 2, r, [-1.5] * 3]] for r in range(2)], outs
 
 
+@pytest.mark.job
 def test_mpi_disagreeing_with_slurm_names_the_launcher():
     """SLURM_* for 2 tasks without MASTER_ADDR: MPI (a singleton here) disagrees; the error names Slurm and the fix."""
     res = _run([sys.executable, str(LAUNCHED / "average_step.py")], timeout=60, SLURM_PROCID="1", SLURM_NTASKS="2",
@@ -143,6 +151,7 @@ def test_mpi_disagreeing_with_slurm_names_the_launcher():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_no_loadable_mpi_library():
     """mpi4py cannot load libmpi: BackendUnavailableError naming the fix; one process and shm work without MPI."""
     probe = ("import distopt, numpy as np\n"
@@ -162,6 +171,7 @@ def test_no_loadable_mpi_library():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.job
 def test_cli_tag_output_and_module_form():
     res = _run([sys.executable, "-m", "distopt.launch", "-n", "2", "--tag-output", "-m", "tests.launched.average_step"])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -172,6 +182,7 @@ def test_cli_tag_output_and_module_form():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.job
 def test_cli_runs_cnn_example_unchanged():
     from tests.test_docs import FASHION_DIR, HAVE_DATA, SMOKE
 
@@ -188,6 +199,7 @@ def test_cli_runs_cnn_example_unchanged():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher", ["mpiexec", "distopt.launch", "torchrun"])
+@pytest.mark.job
 def test_h39_close_twice_then_use(launcher):
     script = str(LAUNCHED / "h39_close.py")
     if launcher == "mpiexec":
@@ -207,12 +219,14 @@ def test_h39_close_twice_then_use(launcher):
     assert "UCX" not in out and "Segmentation" not in out, out[-4000:]
 
 
+@pytest.mark.job
 def test_h39_single_process():
     res = _run([sys.executable, str(LAUNCHED / "h39_close.py")])
     assert res.returncode == 0 and "H39 0 single ok" in res.stdout, res.stderr[-3000:]
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.job
 def test_mpi_script_without_close_exits_without_ucx_warnings():
     """A script that never calls close(): the MPI window is freed at exit, before MPI_Finalize."""
     res = run_job([sys.executable, str(LAUNCHED / "average_step.py")], n=2, timeout=80)
@@ -222,6 +236,7 @@ def test_mpi_script_without_close_exits_without_ucx_warnings():
 
 
 @pytest.mark.parametrize("order", ["destroy", "destroy_close", "close_destroy", "neither"])
+@pytest.mark.job
 def test_h53_teardown_in_any_order_under_torchrun(order):
     """The script owns the process group; whatever the order of destroy_process_group() and close(),
     every rank exits 0 within 30 s, with identical parameters, no traceback and no warning."""

@@ -14,7 +14,7 @@ import distopt
 from distopt.step.zero import plan_shards
 from distopt.core.buckets import plan_buckets
 from tests import zero_cases as cases
-from tests.backends import run_case
+from tests.backends import run_case, tiered
 
 torch = pytest.importorskip("torch")
 
@@ -33,6 +33,7 @@ def _same(ref: list, got: list, world: int, what: str, exact: bool = True) -> No
                 np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=what)
 
 
+@pytest.mark.unit
 def test_plan_splits_every_bucket_within_one_element_and_covers_it_once():
     buckets = plan_buckets([((5, 3), np.float32), ((1,), np.float32), ((7,), np.float32), ((2,), np.float32)],
                            4, 6)
@@ -53,6 +54,7 @@ def test_plan_splits_every_bucket_within_one_element_and_covers_it_once():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("strategy", ["dense", "half"])
+@pytest.mark.unit
 def test_arrays_sharded_equal_unsharded(world, zero, strategy):
     for threshold in (None, 10):
         ref = run_case("sim", world, cases.case_arrays, 0, strategy, threshold)
@@ -69,6 +71,7 @@ def test_arrays_sharded_equal_unsharded(world, zero, strategy):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw-foreach", "adamw-single"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.unit
 def test_torch_sharded_equal_unsharded(optimizer, world, zero):
     ref = run_case("sim", world, cases.case_torch, 0, optimizer, {})
     got = run_case("sim", world, cases.case_torch, zero, optimizer, {})
@@ -91,6 +94,7 @@ def test_torch_sharded_equal_unsharded(optimizer, world, zero):
                          ids=["half", "clip", "no_sync", "overlap_param_gather", "grad_scaler", "grad_scaler_inf",
                               "check_finite_inf"])
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
 def test_torch_sharded_composes(options, world):
     ref = run_case("sim", world, cases.case_torch, 0, "adam", options)
     for zero in (1, 2):
@@ -109,6 +113,7 @@ def test_torch_sharded_composes(options, world):
 
 @pytest.mark.parametrize("backend", REAL)
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
 def test_backends_sharded_equal_unsharded(backend, world):
     ref = run_case(backend, world, cases.case_torch, 0, "adamw-foreach", {})
     got = run_case(backend, world, cases.case_torch, 1, "adamw-foreach", {})
@@ -118,6 +123,7 @@ def test_backends_sharded_equal_unsharded(backend, world):
     _same([r["params"] for r in ref], [g["params"] for g in got], world, f"{backend} arrays zero=2")
 
 
+@pytest.mark.unit
 def test_single_communicator_sharded_equals_unsharded():
     from distopt.comm import create
 
@@ -129,7 +135,7 @@ def test_single_communicator_sharded_equals_unsharded():
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", ["sim", "mpi"])
+@pytest.mark.parametrize("backend", tiered(["sim", "mpi"]))
 def test_checkpoint_saved_at_two_resumes_at_one_two_and_three(backend):
     first = run_case(backend, 2, cases.case_resume, 1, None, None, 2)
     straight = run_case(backend, 2, cases.case_resume, 1, None, None, 4)
@@ -143,6 +149,7 @@ def test_checkpoint_saved_at_two_resumes_at_one_two_and_three(backend):
             _same([r["params"] for r in ref], [g["params"] for g in got], world, f"{how} W=2 -> W={world}")
 
 
+@pytest.mark.unit
 def test_sharded_state_of_another_rank_is_refused():
     first = run_case("sim", 2, cases.case_resume, 1, None, None, 1)
     saved = torch.load(io.BytesIO(first[1]["shard"]), weights_only=True)
@@ -153,11 +160,13 @@ def test_sharded_state_of_another_rank_is_refused():
     opt.close()
 
 
+@pytest.mark.unit
 def test_ranks_with_different_zero_raise_on_every_rank():
     messages = run_case("sim", 2, cases.case_mismatched_zero)
     assert all("zero" in m for m in messages), messages
 
 
+@pytest.mark.unit
 def test_bad_settings_are_refused_at_construction():
     from distopt.strategies import DGC, Partial, PowerSGD, Sparse
 
@@ -203,19 +212,21 @@ def test_bad_settings_are_refused_at_construction():
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
 def test_layout_changes_reshard_the_state(world):
     ref = run_case("sim", world, cases.case_layout_change, 0)
     for zero in (1, 2):
         _same(ref, run_case("sim", world, cases.case_layout_change, zero), world, f"zero={zero} layout changes")
 
 
-@pytest.mark.parametrize("backend,world", [("sim", 2), ("sim", 3), ("shm", 3)])
+@pytest.mark.parametrize("backend,world", tiered([("sim", 2), ("sim", 3), ("shm", 3)]))
 def test_join_with_uneven_inputs(backend, world):
     ref = run_case(backend, world, cases.case_join, 0)
     _same(ref, run_case(backend, world, cases.case_join, 1), world, "zero=1 join")
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
 def test_gpt_style_adamw_loss_curve_equals_unsharded(world):
     ref = run_case("sim", world, cases.case_gpt, 0)
     for zero in (1, 2):
@@ -224,6 +235,7 @@ def test_gpt_style_adamw_loss_curve_equals_unsharded(world):
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)  # clipping's global norm: float rounding
 
 
+@pytest.mark.unit
 def test_distopt_save_at_two_loads_at_three(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     run_case("sim", 2, cases.case_save_load, 1, path, False)

@@ -5,6 +5,8 @@ importable test module; its result must pickle. ``run_case(backend, W, fn,
 *args)`` returns the results in rank order:
 
 * ``"sim"``: W threads of this process (:func:`tests.simworld.run_world`);
+* a real backend: by default the run-long worker pool of that backend and
+  W (:mod:`tests.pool`); with ``fresh=True`` a job of its own:
 * ``"mpi"``: ``mpiexec -n W python -m tests.backends ...`` (real processes,
   the MPI backend), under a hard limit that names the stalled ranks;
 * ``"shm"`` and ``"torch"``: W processes from :func:`distopt.launch.spawn`
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tests.harness import run_job
+from tests.pool import run_pooled
 from tests.simworld import run_world
 
 BACKENDS = ("sim", "mpi", "shm", "torch")
@@ -72,8 +75,13 @@ def _spawned(nccl_id: Any, rank: int, size: int, backend: str, target: str, out:
         comm.close()
 
 
-def run_case(backend: str, size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_case(backend: str, size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+             fresh: bool = False) -> list[Any]:
     """``fn(rank, comm, *args)`` on ``size`` ranks of ``backend``; the results in rank order.
+
+    A real backend runs the case on the run-long worker pool of that backend
+    and world size (:mod:`tests.pool`); ``fresh=True`` starts a job of its
+    own instead (for a case that must own its processes).
 
     Raises:
         AssertionError: a rank failed or the job overran ``timeout`` (naming the ranks).
@@ -81,6 +89,8 @@ def run_case(backend: str, size: int, fn: Callable[..., Any], *args: Any, timeou
     if backend == "sim":
         return run_world(size, lambda rank, comm: fn(rank, comm, *args))
     target = f"{fn.__module__}:{fn.__name__}"
+    if not fresh:
+        return run_pooled(backend, size, target, args, timeout)
     with tempfile.TemporaryDirectory(prefix="distopt-case-") as out:
         if backend == "mpi":
             blob = pickle.dumps(args).hex()

@@ -242,10 +242,11 @@ def case_vs_torch_dist(rank: int, comm) -> dict:
     dist.all_reduce(summed)
     out["reduce_scatter"] = torch.allclose(opt.reduce_scatter(y), summed.chunk(w)[rank], rtol=0, atol=1e-12)
     weight = torch.randn(w * 2, 3, generator=gen, dtype=torch.float64)
+    world = dist.group.WORLD  # explicit: torch.distributed.nn binds its default group once, at import
     for name, ours, theirs in (
-        ("ad_all_reduce", lambda t: ag.all_reduce(t, comm=comm), lambda t: dnn.all_reduce(t)),
-        ("ad_all_gather", lambda t: ag.all_gather(t, comm=comm), lambda t: torch.cat(dnn.all_gather(t))),
-        ("ad_broadcast", lambda t: ag.broadcast(t, w - 1, comm=comm), lambda t: dnn.broadcast(t, w - 1)),
+        ("ad_all_reduce", lambda t: ag.all_reduce(t, comm=comm), lambda t: dnn.all_reduce(t, group=world)),
+        ("ad_all_gather", lambda t: ag.all_gather(t, comm=comm), lambda t: torch.cat(dnn.all_gather(t, group=world))),
+        ("ad_broadcast", lambda t: ag.broadcast(t, w - 1, comm=comm), lambda t: dnn.broadcast(t, w - 1, group=world)),
     ):
         a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = ours(a), theirs(b)

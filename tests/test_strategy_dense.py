@@ -1,8 +1,9 @@
 """Dense (:mod:`distopt.strategies.dense`): one sum all-reduce per bucket, the division folded where it is cheapest.
 
-Driven bucket by bucket in a simulated world (no ``DistOpt``): a bucket
-that IS the gradient is divided in place; a packed copy leaves the division
-to the unpack (:class:`~distopt.strategies.Done`'s ``divisor``).
+Driven bucket by bucket in a simulated world (no ``DistOpt``): the sum is
+all-reduced in place (or reduce-scattered to this rank's segment) and the
+division is left to the bucket sync (:class:`~distopt.strategies.Done`'s
+``divisor``), which folds it into the unpack or divides in place.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _ctx(comm, n: int, viewed: bool) -> BucketContext:
 
 
 @pytest.mark.parametrize("viewed", [True, False], ids=["viewed", "packed"])
-def test_dense_sums_and_divides_in_place_only_when_the_buffer_is_the_gradient(viewed):
+def test_dense_sums_in_place_and_leaves_the_division_to_the_bucket_sync(viewed):
     def rank_fn(rank, comm):
         strategy, ctx = Dense(), _ctx(comm, 3, viewed)
         flat = np.array([1.0, 2.0, 4.0]) * (rank + 1)
@@ -32,13 +33,24 @@ def test_dense_sums_and_divides_in_place_only_when_the_buffer_is_the_gradient(vi
         return flat, done
 
     for flat, done in run_world(3, rank_fn):
-        assert done.wire_bytes == 3 * 8
-        if viewed:
-            assert done.divisor == 1
-            np.testing.assert_array_equal(flat, [2.0, 4.0, 8.0])   # the mean of x1, x2, x3
-        else:
-            assert done.divisor == 3
-            np.testing.assert_array_equal(flat, [6.0, 12.0, 24.0])  # the sum: the unpack divides
+        assert done.wire_bytes == 3 * 8 and done.divisor == 3 and done.result is None
+        np.testing.assert_array_equal(flat, [6.0, 12.0, 24.0])  # the sum, in place: the sync divides
+
+
+def test_dense_under_a_reduce_scatter_reports_this_ranks_segment():
+    def rank_fn(rank, comm):
+        bucket, = plan_buckets([((4,), np.dtype(np.float64))], 1, 4)
+        counts = [2, 1, 1]
+        ctx = BucketContext(0, 1, 0, bucket, False, comm, lambda a, op: comm.reduce_scatter_async(a, counts, op),
+                            Counters())
+        flat = np.array([1.0, 2.0, 4.0, 8.0]) * (rank + 1)
+        done = Dense().finish(ctx, flat, Dense().start(ctx, flat), comm.size)
+        return done
+
+    for rank, done in enumerate(run_world(3, rank_fn)):
+        want = np.array([6.0, 12.0, 24.0, 48.0])[[slice(0, 2), slice(2, 3), slice(3, 4)][rank]]
+        assert done.divisor == 3 and done.wire_bytes == 4 * 8
+        np.testing.assert_array_equal(done.result, want)
 
 
 def test_dense_declares_overlap_and_join_and_has_no_settings():

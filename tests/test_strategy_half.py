@@ -24,14 +24,14 @@ def test_half_clips_predivides_and_averages_on_a_16_bit_wire():
         strategy = Half(clip=2.0)
         strategy.bind(comm.size, None)
         bucket, = plan_buckets([((4,), np.dtype(np.float32))], 1, 4)
-        ctx = BucketContext(0, 1, 0, bucket, True, comm, comm.all_reduce_async, Counters())
         flat = np.array(grads[rank], np.float32)
+        ctx = BucketContext(0, 1, 0, bucket, True, comm, comm.all_reduce_async, Counters(), out=flat)
         started = strategy.start(ctx, flat)
         wire = started.wait()
         return strategy.finish(ctx, flat, started, comm.size), flat, wire.dtype
 
     for done, flat, wire_dtype in run_world(2, rank_fn):
-        assert wire_dtype == np.float16 and done.wire_bytes == 2 * 4 and done.divisor == 1
+        assert wire_dtype == np.float16 and done.wire_bytes == 2 * 4 and done.divisor == 1 and done.result is None
         np.testing.assert_array_equal(flat, np.array([1.5, 0.125, -0.5, 0.125], np.float32))
 
 

@@ -160,13 +160,13 @@ class BucketPipeline:
         self.segments: dict[int, Any] = {}
 
     def _ctx(self, b: int) -> BucketContext:
-        viewed = self.flats[b][1] if b in self.flats else False
+        """Bucket ``b``'s context: its reduction an all-reduce, or a reduce-scatter with ``shards``."""
+        flat, viewed = self.flats.get(b, (None, False))
         if self.shards is None:
             return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
-                                 self.launch, self.counters)
-        counts = self.shards.counts[b]
+                                 self.launch, self.counters, flat)
         return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
-                             self.launch, self.counters, counts, self.launch.scatter(counts))
+                             self.launch.scatter(self.shards.counts[b]), self.counters)
 
     def _where(self, b: int) -> str:
         bucket = self.buckets[b]
@@ -221,10 +221,7 @@ class BucketPipeline:
 
     def _start(self, b: int) -> None:
         with self.context(lambda: self._where(b)), self._range(b, "start"):
-            if self.shards is None:
-                self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
-            else:
-                self.started[b] = self.strategy.start_shard(self._ctx(b), self.flats[b][0])
+            self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
         self.next = b + 1
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
@@ -253,39 +250,41 @@ class BucketPipeline:
                 wait()
 
     def finish(self, grads: list[Any], divisor: int) -> None:
-        """Complete every bucket, average over ``divisor`` ranks, unpack into ``grads``.
+        """Complete every bucket and average over ``divisor`` ranks.
 
-        A None entry of ``grads`` receives a new array. Adds the bytes sent
-        to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
+        All-reduced buckets are unpacked into ``grads`` (a None entry
+        receives a new array); with ``shards``, this rank's averaged segment
+        of each bucket is kept in :attr:`segments`. Adds the bytes sent to
+        ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
         then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
-        if self.shards is not None:
-            self._finish_shards(divisor)
-            return
         for b, bucket in enumerate(self.buckets):
-            flat, viewed = self.flats[b]
+            flat, viewed = self.flats.get(b, (None, False))
             with self.context(lambda: self._where(b)), self._range(b, "finish"):
                 done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
             self.counters.wire_bytes += done.wire_bytes
-            self.counters.dense_bytes += int(flat.nbytes)
-            if not viewed:
-                unpack(bucket, flat, grads, done.divisor)
-            elif done.divisor != 1:
-                flat /= done.divisor
+            self.counters.dense_bytes += bucket.size * bucket.dtype.itemsize
+            if self.shards is not None:
+                self._keep_segment(b, done)
+            elif viewed:
+                if done.result is not None:
+                    flat[...] = done.result
+                if done.divisor != 1:
+                    flat /= done.divisor
+            else:
+                unpack(bucket, flat if done.result is None else done.result, grads, done.divisor)
         self.strategy.end_of_step()
 
-    def _finish_shards(self, divisor: int) -> None:
-        for b, bucket in enumerate(self.buckets):
-            flat = self.flats[b][0] if b in self.flats else None
-            with self.context(lambda: self._where(b)), self._range(b, "finish"):
-                self.segments[b], done = self.strategy.finish_shard(self._ctx(b), flat, self.started[b], divisor)
-            self.counters.wire_bytes += done.wire_bytes
-            self.counters.dense_bytes += bucket.size * bucket.dtype.itemsize
-            if self.release and b in self.flats:
-                self.segments[b] = _own(self.segments[b])
-                del self.flats[b]
-                self.buffers.pop(b, None)
-        self.strategy.end_of_step()
+    def _keep_segment(self, b: int, done: Any) -> None:
+        """A reduce-scattered bucket: keep this rank's averaged segment (stage 2: drop the flat buffer)."""
+        segment = done.result
+        if done.divisor != 1:
+            segment /= done.divisor
+        if self.release and b in self.flats:
+            segment = _own(segment)
+            del self.flats[b]
+            self.buffers.pop(b, None)
+        self.segments[b] = segment
 
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""

@@ -94,13 +94,17 @@ class Done(NamedTuple):
 
     Attributes:
         wire_bytes: bytes this rank handed to the collectives for the bucket.
-        divisor: the division still to apply while unpacking (1 when the
-            flat buffer already holds the average). Folding the division
-            into the unpack saves one pass over the bucket.
+        divisor: the division the bucket sync still applies (1 when
+            :attr:`result` already holds the average); it folds the
+            division into the unpack where there is one, saving a pass.
+        result: where the bucket's result lies when it is not the flat
+            buffer: what a reduce-scatter's ``wait()`` returned (this rank's
+            segment, see :attr:`BucketContext.launch`); None: the flat buffer.
     """
 
     wire_bytes: int
     divisor: int = 1
+    result: Any = None
 
 
 @dataclass
@@ -116,20 +120,19 @@ class BucketContext:
         viewed: True when the flat buffer is the gradient itself (a lone
             contiguous gradient), False when it is a packed copy.
         comm: the communicator (blocking collectives).
-        launch: ``launch(array, op)`` starts an all-reduce (``op`` as
-            :meth:`Communicator.all_reduce`) and returns its :class:`Handle`,
-            whose ``wait()`` returns the reduced array; asynchronous where
-            the backend allows it.
+        launch: ``launch(array, op)`` starts the bucket's reduction of
+            ``array`` (``bucket.size`` elements, ``op`` as
+            :meth:`Communicator.all_reduce`) and returns its :class:`Handle`;
+            asynchronous where the backend allows it. The bucket sync
+            chooses the collective: an all-reduce, whose ``wait()`` returns
+            ``array`` itself, reduced in place; or, under a sharded
+            optimizer, a reduce-scatter, whose ``wait()`` returns this
+            rank's reduced segment (a new 1-D array).
         counters: the step counters (``stats``); a strategy reports its own
             counts with ``counters.add(name, n)``.
-        counts: with a sharded optimizer (``DistOpt(zero=1|2)``), the
-            ELEMENTS of the bucket each rank owns (``len == world size``,
-            summing to ``bucket.size``); None otherwise.
-        scatter: with a sharded optimizer, ``scatter(array, op)`` starts a
-            reduce-scatter of ``array`` (``bucket.size`` elements) over
-            :attr:`counts` and returns its :class:`Handle`, whose ``wait()``
-            returns this rank's reduced segment (1-D, ``counts[rank]``
-            elements); None otherwise.
+        out: the buffer a strategy that converts the reduced array writes
+            its result into: the flat buffer when the bucket is all-reduced,
+            None when the result is a new array (a reduce-scatter's segment).
     """
 
     index: int
@@ -140,8 +143,7 @@ class BucketContext:
     comm: Communicator
     launch: Callable[[Any, str], Handle]
     counters: Counters
-    counts: Sequence[int] | None = None
-    scatter: Callable[[Any, str], Handle] | None = None
+    out: Any = None
 
 
 @dataclass
@@ -196,9 +198,11 @@ class Strategy(ABC):
         counter_names: the counters this strategy reports through
             ``counters.add`` (read in ``DistOpt.stats``), e.g.
             ``("sparse_entries", "sparse_dense_fallbacks")``.
-        supports_sharding: the strategy can reduce-scatter a bucket instead
-            of all-reducing it (:meth:`GradientStrategy.start_shard`), so it
-            runs under a sharded optimizer (``DistOpt(zero=1|2)``).
+        supports_sharding: the strategy's one collective per bucket is
+            :attr:`BucketContext.launch`, whose result it reports in
+            :attr:`Done.result`, so the bucket sync may make it a
+            reduce-scatter: it runs under a sharded optimizer
+            (``DistOpt(zero=1|2)``).
     """
 
     name: ClassVar[str]
@@ -268,8 +272,9 @@ class GradientStrategy(Strategy):
 
     @abstractmethod
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
-        """Complete the bucket: ``flat`` must hold the sum over ranks divided by ``divisor``
-        (the contributing ranks), possibly with the division left to the unpack (see :class:`Done`).
+        """Complete the bucket: its result (``flat``, or :attr:`Done.result`) must hold the sum over
+        ranks divided by ``divisor`` (the contributing ranks), possibly with the division left to the
+        bucket sync (see :class:`Done`).
 
         Args:
             ctx: where the bucket is reduced.
@@ -284,21 +289,6 @@ class GradientStrategy(Strategy):
 
     def end_of_step(self) -> None:  # noqa: B027 (optional hook)
         """Called once per applied step, after every bucket finished (per-step counters, warm-up)."""
-
-    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
-        """Start reducing bucket ``ctx.index`` to this rank's segment only (a sharded optimizer's
-        reduce-scatter, through ``ctx.scatter``); only where :attr:`supports_sharding`.
-
-        Raises:
-            TypeError: the strategy does not support sharding.
-        """
-        raise TypeError(f"strategy {self.name!r} does not support a sharded optimizer (zero=1|2)")
-
-    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
-        """Complete :meth:`start_shard`: returns this rank's segment of the bucket's average (1-D,
-        ``ctx.counts[rank]`` elements of ``flat.dtype``; the sum over ranks divided by ``divisor``) and
-        what was sent (:class:`Done`, ``divisor`` 1)."""
-        raise TypeError(f"strategy {self.name!r} does not support a sharded optimizer (zero=1|2)")
 
 
 class ParameterAverager(Strategy):

@@ -32,22 +32,8 @@ class Dense(GradientStrategy):
         return ctx.launch(flat, "sum")
 
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
-        started.wait()
-        if ctx.viewed:  # the gradient itself: divide in place
-            if divisor != 1:
-                flat /= divisor
-            return Done(int(flat.nbytes))
-        return Done(int(flat.nbytes), divisor)  # a packed copy: divide while unpacking
-
-    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
-        assert ctx.scatter is not None
-        return ctx.scatter(flat, "sum")
-
-    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
-        shard = started.wait()
-        if divisor != 1:
-            shard /= divisor
-        return shard, Done(ctx.bucket.size * ctx.bucket.dtype.itemsize)
+        reduced = started.wait()  # flat itself (all-reduced in place), or this rank's segment
+        return Done(ctx.bucket.size * ctx.bucket.dtype.itemsize, divisor, None if reduced is flat else reduced)
 
 
 register(Example("dense", Dense))

@@ -70,17 +70,9 @@ class Half(GradientStrategy):
         return ctx.launch(to_wire(src, self.wire, 1.0 / self._factor), "sum")
 
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:
-        from_wire(started.wait(), flat.dtype, self._factor / divisor, out=flat)  # wait() returns the wire sum
-        return Done(2 * int(flat.size))
-
-    def start_shard(self, ctx: BucketContext, flat: Any) -> Handle:
-        assert ctx.scatter is not None
-        src = flat if self.clip is None else flat.clip(-self.clip, self.clip)
-        return ctx.scatter(to_wire(src, self.wire, 1.0 / self._factor), "sum")
-
-    def finish_shard(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> tuple[Any, Done]:
-        wire = started.wait()  # this rank's segment of the wire sum
-        return from_wire(wire, ctx.bucket.dtype, self._factor / divisor), Done(2 * ctx.bucket.size)
+        wire = started.wait()  # the wire sum: the whole bucket, or this rank's segment
+        result = from_wire(wire, ctx.bucket.dtype, self._factor / divisor, out=ctx.out)
+        return Done(2 * ctx.bucket.size, 1, None if ctx.out is not None else result)
 
 
 register(Example("half-fp16", Half, {"wire": "float16"}, mismatch={"wire": "float16", "predivide": 1.0}),

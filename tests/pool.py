@@ -39,8 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Collective deadline inside the workers, in seconds (as tests.backends.TIMEOUT).
 TIMEOUT = 20.0
-#: Seconds between two looks at the pool's folder.
-POLL = 0.005
+#: Seconds between two looks at the pool's folder: the test process, and a worker right after a case.
+POLL = 0.002
+#: The longest a worker idles between two looks (its wait grows from POLL, so idle pools cost no CPU).
+IDLE_POLL = 0.05
+#: The environment variable naming the test process: workers end when it is gone.
+OWNER_ENV = "DISTOPT_TEST_POOL_OWNER"
 
 
 class Pool:
@@ -58,7 +62,8 @@ class Pool:
         self.log = open(self.dir / "output.log", "w+")  # noqa: SIM115 (lives as long as the pool)
         env = dict(os.environ)
         env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1", "DISTOPT_TIMEOUT": str(TIMEOUT)})
+                    "PYTHONUNBUFFERED": "1", "DISTOPT_TIMEOUT": str(TIMEOUT),
+                    OWNER_ENV: str(os.getpid())})
         if backend == "mpi":
             from tests.harness import _launcher_flags, mpiexec
 
@@ -165,18 +170,29 @@ def _communicator(backend: str, rank: int, size: int, k: int, port: int, job_id:
     return create("shm", rank=rank, size=size, job_id=f"{job_id}-c{k}", timeout=TIMEOUT)
 
 
+def _owner_gone() -> bool:
+    try:
+        os.kill(int(os.environ[OWNER_ENV]), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def serve(backend: str, rank: int, size: int, folder: str, job_id: str = "") -> None:
-    """The worker loop of rank ``rank``: run each case file in turn until the stop file appears."""
+    """The worker loop of rank ``rank``: run each case file in turn until the stop file appears
+    (or the test process is gone)."""
     from tests.backends import _resolve
 
     d = Path(folder)
     k = 0
     while True:
         case = d / f"case-{k}.pkl"
+        pause = POLL
         while not case.exists():
-            if (d / "stop").exists():
+            if (d / "stop").exists() or (pause == IDLE_POLL and _owner_gone()):
                 return
-            time.sleep(POLL)
+            time.sleep(pause)
+            pause = min(IDLE_POLL, pause * 1.5)
         target, args, port = pickle.loads(case.read_bytes())
         (d / f"at-{rank}").write_text(f"case {k}: {target}")
         try:

@@ -56,3 +56,26 @@ def test_dense_under_a_reduce_scatter_reports_this_ranks_segment():
 def test_dense_declares_overlap_and_join_and_has_no_settings():
     assert Dense.supports_overlap and Dense.supports_join and not Dense.per_rank_state
     assert Dense().describe() == {"strategy": "plain"} and Dense() == Dense()
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["viewed", "packed"])
+def test_bucket_sync_divides_a_viewed_bucket_in_place_and_a_packed_one_while_unpacking(views):
+    from contextlib import nullcontext
+
+    from distopt.step.pipeline import BucketPipeline, Launcher
+
+    def rank_fn(rank, comm):
+        grad = np.array([1.0, 2.0, 4.0]) * (rank + 1)
+        buckets = plan_buckets([((3,), np.dtype(np.float64))], 1, 3)
+        pipeline = BucketPipeline(Dense(), buckets, {}, 0, [np.zeros(3)], Launcher(comm), comm, Counters(),
+                                  lambda where: nullcontext(), views=views)
+        grads = [grad]
+        pipeline.ready(0, grad)
+        pipeline.launch_rest(grads)
+        pipeline.finish(grads, comm.size)
+        return grad, grads[0], pipeline.flats[0][1]
+
+    for grad, out, viewed in run_world(3, rank_fn):
+        assert viewed is views
+        np.testing.assert_array_equal(out, [2.0, 4.0, 8.0])  # the mean of x1, x2, x3
+        assert (out is grad) or not views  # a viewed bucket IS the gradient: averaged in place

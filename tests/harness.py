@@ -35,7 +35,7 @@ def mpiexec() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _launcher_flags() -> tuple[str, ...]:
+def launcher_flags() -> tuple[str, ...]:
     """``-l`` (rank-prefixed lines) for MPICH's Hydra; Open MPI (e.g. on a GPU machine) takes other flags."""
     version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout
     if "Open MPI" in version or "OpenRTE" in version:
@@ -71,7 +71,7 @@ def run_job(argv: list[str], n: int, timeout: float, *, collective_timeout: floa
         "PYTHONUNBUFFERED": "1",
     })
     full_env.update(env or {})
-    cmd = [mpiexec(), *_launcher_flags(), "-n", str(n), *argv]
+    cmd = [mpiexec(), *launcher_flags(), "-n", str(n), *argv]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -23,6 +23,7 @@ next case starts a new pool.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import pickle
 import shutil
@@ -33,11 +34,11 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Collective deadline inside the workers, in seconds (as tests.backends.TIMEOUT).
+#: Collective deadline inside the workers, in seconds.
 TIMEOUT = 20.0
 #: Seconds between two looks at the pool's folder: the test process, and a worker right after a case.
 POLL = 0.002
@@ -65,9 +66,9 @@ class Pool:
                     "PYTHONUNBUFFERED": "1", "DISTOPT_TIMEOUT": str(TIMEOUT),
                     OWNER_ENV: str(os.getpid())})
         if backend == "mpi":
-            from tests.harness import _launcher_flags, mpiexec
+            from tests.harness import launcher_flags, mpiexec
 
-            cmd = [mpiexec(), *_launcher_flags(), "-n", str(size), sys.executable, "-m", "tests.pool", "mpi",
+            cmd = [mpiexec(), *launcher_flags(), "-n", str(size), sys.executable, "-m", "tests.pool", "mpi",
                    str(self.dir)]
         else:
             cmd = [sys.executable, "-m", "tests.pool", backend, str(self.dir), str(size)]
@@ -159,7 +160,15 @@ def close_pools() -> None:
 # --- the worker side -------------------------------------------------------------------------------
 
 
-def _communicator(backend: str, rank: int, size: int, k: int, port: int, job_id: str) -> Any:
+def resolve(target: str) -> Callable[..., Any]:
+    """The case function named ``module:function``."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def communicator(backend: str, rank: int, size: int, port: int, job_id: str) -> Any:
+    """A new communicator of ``backend`` for one case: MPI over ``COMM_WORLD``, torch.distributed on
+    127.0.0.1:``port``, shared memory under ``job_id``; collectives bounded by :data:`TIMEOUT`."""
     from distopt.comm import create
 
     if backend == "mpi":
@@ -167,7 +176,7 @@ def _communicator(backend: str, rank: int, size: int, k: int, port: int, job_id:
     if backend == "torch":
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         return create("torch", rank=rank, size=size, timeout=TIMEOUT)
-    return create("shm", rank=rank, size=size, job_id=f"{job_id}-c{k}", timeout=TIMEOUT)
+    return create("shm", rank=rank, size=size, job_id=job_id, timeout=TIMEOUT)
 
 
 def _owner_gone() -> bool:
@@ -181,8 +190,6 @@ def _owner_gone() -> bool:
 def serve(backend: str, rank: int, size: int, folder: str, job_id: str = "") -> None:
     """The worker loop of rank ``rank``: run each case file in turn until the stop file appears
     (or the test process is gone)."""
-    from tests.backends import _resolve
-
     d = Path(folder)
     k = 0
     while True:
@@ -196,9 +203,9 @@ def serve(backend: str, rank: int, size: int, folder: str, job_id: str = "") -> 
         target, args, port = pickle.loads(case.read_bytes())
         (d / f"at-{rank}").write_text(f"case {k}: {target}")
         try:
-            comm = _communicator(backend, rank, size, k, port, job_id)
+            comm = communicator(backend, rank, size, port, f"{job_id}-c{k}")
             try:
-                outcome = (True, _resolve(target)(rank, comm, *args))
+                outcome = (True, resolve(target)(rank, comm, *args))
             finally:
                 comm.close()
         except BaseException:  # noqa: BLE001 (reported to the test process, which fails the case)

@@ -28,7 +28,7 @@ from .metrics import all_gather_object, broadcast_object, reduce_metrics
 from .step.engine import DEFAULT_THRESHOLD, Engine
 from .step.local import LocalOptimizer
 
-__all__ = ["Collectives", "CollectiveHandle"]
+__all__ = ["Collectives", "CollectiveHandle", "CollectiveMethods"]
 
 
 class Collectives:
@@ -193,3 +193,48 @@ class Collectives:
     def close(self) -> None:
         """Wait for the asynchronous collectives in flight, stop their worker, close their communicators."""
         self._async.close()
+
+
+class CollectiveMethods:
+    """The raw collectives of :class:`~distopt.DistOpt`, each a delegation to its :class:`Collectives`."""
+
+    _collectives: Collectives
+
+    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
+        """In-place all-reduce of one array or contiguous tensor; returns it, or with ``async_op=True`` a handle whose
+        ``wait()`` does; ``group``: a process group (all collectives: :class:`~distopt.collectives.Collectives`)."""
+        return self._collectives.all_reduce(array, op, group=group, async_op=async_op)
+
+    def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """In-place broadcast of one array or contiguous tensor from ``root``; returns it."""
+        return self._collectives.broadcast(array, root, group=group, async_op=async_op)
+
+    def all_gather(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """Every rank's rows in rank order: a new ``(sum of shape[0], *shape[1:])`` array; ``shape[0]`` may differ."""
+        return self._collectives.all_gather(array, group=group, async_op=async_op)
+
+    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
+                       async_op: bool = False) -> Any:
+        """This rank's chunk (``shape[0] // W`` rows, a new array) of the reduction, as ``reduce_scatter_tensor``."""
+        return self._collectives.reduce_scatter(array, op, group=group, async_op=async_op)
+
+    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
+        """Chunk ``j`` of ``shape[0]`` (W equal chunks) sent to rank ``j``; a new array, as ``all_to_all_single``."""
+        return self._collectives.all_to_all(array, group=group, async_op=async_op)
+
+    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
+                           group: Group | None = None) -> dict[str, Any]:
+        """Sum metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
+        return self._collectives.all_reduce_metrics(metrics, mean, group=group)
+
+    def all_gather_object(self, obj: Any, *, group: Group | None = None) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank."""
+        return self._collectives.all_gather_object(obj, group=group)
+
+    def broadcast_object(self, obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
+        """``root``'s picklable object, on every rank."""
+        return self._collectives.broadcast_object(obj, root, group=group)
+
+    def agree(self, flag: bool, rule: str = "any", *, group: Group | None = None) -> bool:
+        """A decision every rank takes together: ``rule`` ``"any"``, ``"all"`` or ``"root"`` (rank 0's vote)."""
+        return self._collectives.agree(flag, rule, group=group)

@@ -10,32 +10,32 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
-from . import singa
-from .collectives import Collectives
+from .collectives import CollectiveMethods, Collectives
 from .comm.base import Communicator
-from .comm.groups import Group
 from .core.counters import Counters
 from .launch.failfast import install_abort_on_exception
 from .launch.world import World, comm_for
+from .sharding.plan import check_sharding
+from .sharding.sync import bucket_sync
+from .sharding.torch_state import torch_sharding
+from .singa import SingaMethods
 from .step.accumulate import GradientAccumulator
 from .step.engine import Engine
 from .step.local import ArrayOptimizer
 from .step.runner import JoinResult, StepRunner
 from .step.state import StepState
 from .step.strategy_set import StrategySet
-from .step.zero import check_sharding
 from .strategies import Dense, Strategy
 from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
 from .torch.bucket_views import check_bucket_view
 from .torch.follower import Follower
 from .torch.model_sync import ModelSync
 from .torch.optimizer import optimizer_class
-from .torch.zero_state import attach as attach_zero
 
 __all__ = ["DistOpt"]
 
 
-class DistOpt:
+class DistOpt(SingaMethods, CollectiveMethods):
     """Data-parallel wrapper around a local optimizer.
 
     Args:
@@ -132,10 +132,13 @@ class DistOpt:
         self._counters = Counters()
         zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None, overlap_param_gather)
         self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters,
-                             bool(divide_by_initial_world_size), zero)
+                             bool(divide_by_initial_world_size), bucket_sync(zero, self.comm))
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
-        self._state = StepState(local, self._counters, strategies)
+        sink, sharded_state = (torch_sharding(zero, self.comm, local, overlap_param_gather, model,
+                                              gradient_as_bucket_view) if isinstance(local, TorchOptimizer)
+                               else (None, None))
+        self._state = StepState(local, self._counters, strategies, sharded_state)
         self._collectives = Collectives(self.comm, self.engine, local)
         self.sampler: Any = None
         if abort_on_exception and self.comm.name == "mpi":
@@ -144,13 +147,10 @@ class DistOpt:
         self.model_sync: ModelSync | None = None
         if isinstance(local, TorchOptimizer):
             self.follower = Follower(self._runner, local, backward_passes_per_step, sparse_as_dense,
-                                     bool(gradient_as_bucket_view), model)
+                                     bool(gradient_as_bucket_view), model, sink)
             follower = self.follower
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
                                         lambda: follower.join_phase(), named_parameters)
-            if zero:
-                attach_zero(self._runner, local, follower, self._state, zero, overlap_param_gather, model,
-                            gradient_as_bucket_view)
 
     @property
     def local_rank(self) -> int:
@@ -254,41 +254,6 @@ class DistOpt:
         """
         return self._runner.average(params, grads, threshold)
 
-    def step_half(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
-                  clipping: bool = False, clip_Value: float = 100.0, *, wire: str = "float16",
-                  predivide: float | None = None) -> None:
-        """Like :meth:`step`, with gradients as 16-bit floats (:class:`~distopt.strategies.Half`): ``wire``
-        ``"float16"`` or ``"bfloat16"``; ``clipping`` clips elements to ``[-clip_Value, clip_Value]``."""
-        self._runner.run(self._runner.per_call(singa.half(clipping, clip_Value, wire, predivide)), params, grads,
-                         threshold)
-
-    def step_sparse(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
-                    spars: float = 0.05, topK: bool = False, corr: bool = True) -> None:
-        """Like :meth:`step`, each bucket sparsified (:class:`~distopt.strategies.Sparse`; ValueError on every
-        rank for ``spars`` out of range)."""
-        self._runner.run(self._runner.per_call(singa.sparse(spars, topK, corr)), params, grads, threshold)
-
-    def step_partial(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None = None,
-                     average_momentum: bool = False) -> None:
-        """Local update, then average one chunk of ``threshold`` elements (:class:`~distopt.strategies.Partial`)."""
-        self._runner.run(self._runner.per_call(singa.partial(average_momentum)), params, grads, threshold)
-
-    def backward_and_update_half(self, loss: Any, threshold: int | None = None, clipping: bool = False,
-                                 clip_Value: float = 100.0, *, wire: str = "float16",
-                                 predivide: float | None = None) -> None:
-        """Backward pass, then :meth:`step_half` (overlapped as ``backward_and_update``)."""
-        self._backward(self._runner.per_call(singa.half(clipping, clip_Value, wire, predivide)), loss, threshold)
-
-    def backward_and_partial_update(self, loss: Any, threshold: int | None = None,
-                                    average_momentum: bool = False) -> None:
-        """Backward pass, then :meth:`step_partial`."""
-        self._backward(self._runner.per_call(singa.partial(average_momentum)), loss, threshold)
-
-    def backward_and_sparse_update(self, loss: Any, threshold: int | None = None, spars: float = 0.05,
-                                   topK: bool = False, corr: bool = True) -> None:
-        """Backward pass, then :meth:`step_sparse`."""
-        self._backward(self._runner.per_call(singa.sparse(spars, topK, corr)), loss, threshold)
-
     def flush(self) -> None:
         """Apply a partial accumulation (``backward_passes_per_step=k``, array models) now, averaged over the
         micro-batches it holds; call it on every rank at an epoch end. Does nothing without one."""
@@ -324,45 +289,6 @@ class DistOpt:
         forward, after = (None, None) if self.model_sync is None else self.model_sync.join_hooks()
         with self._runner.join(None if follower is None else follower.shadow, params, forward, after) as result:
             yield result
-
-    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
-        """In-place all-reduce of one array or contiguous tensor; returns it, or with ``async_op=True`` a handle whose
-        ``wait()`` does; ``group``: a process group (all collectives: :class:`~distopt.collectives.Collectives`)."""
-        return self._collectives.all_reduce(array, op, group=group, async_op=async_op)
-
-    def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """In-place broadcast of one array or contiguous tensor from ``root``; returns it."""
-        return self._collectives.broadcast(array, root, group=group, async_op=async_op)
-
-    def all_gather(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """Every rank's rows in rank order: a new ``(sum of shape[0], *shape[1:])`` array; ``shape[0]`` may differ."""
-        return self._collectives.all_gather(array, group=group, async_op=async_op)
-
-    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
-                       async_op: bool = False) -> Any:
-        """This rank's chunk (``shape[0] // W`` rows, a new array) of the reduction, as ``reduce_scatter_tensor``."""
-        return self._collectives.reduce_scatter(array, op, group=group, async_op=async_op)
-
-    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """Chunk ``j`` of ``shape[0]`` (W equal chunks) sent to rank ``j``; a new array, as ``all_to_all_single``."""
-        return self._collectives.all_to_all(array, group=group, async_op=async_op)
-
-    def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
-                           group: Group | None = None) -> dict[str, Any]:
-        """Sum metrics over ranks (means for names in ``mean``); see :func:`distopt.metrics.reduce_metrics`."""
-        return self._collectives.all_reduce_metrics(metrics, mean, group=group)
-
-    def all_gather_object(self, obj: Any, *, group: Group | None = None) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order, on every rank."""
-        return self._collectives.all_gather_object(obj, group=group)
-
-    def broadcast_object(self, obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
-        """``root``'s picklable object, on every rank."""
-        return self._collectives.broadcast_object(obj, root, group=group)
-
-    def agree(self, flag: bool, rule: str = "any", *, group: Group | None = None) -> bool:
-        """A decision every rank takes together: ``rule`` ``"any"``, ``"all"`` or ``"root"`` (rank 0's vote)."""
-        return self._collectives.agree(flag, rule, group=group)
 
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values (array models,

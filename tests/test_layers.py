@@ -19,8 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives", "distopt.array_collectives",
               "distopt.async_collectives", "distopt.autograd")),
-    ("torch", ("distopt.torch",)),
-    ("step", ("distopt.step",)),
+    ("torch", ("distopt.torch", "distopt.sharding.torch_step", "distopt.sharding.torch_state")),
+    ("step", ("distopt.step", "distopt.sharding")),
     ("strategies", ("distopt.strategies",)),
     ("compress", ("distopt.compress",)),
     ("launch", ("distopt.launch",)),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import distopt
-from distopt.step.zero import plan_shards
+from distopt.sharding.plan import plan_shards
 from distopt.core.buckets import plan_buckets
 from tests import zero_cases as cases
 from tests.backends import run_case, tiered

@@ -41,11 +41,12 @@ import numpy as np
 from ..core._array import xp_of
 from .agreement import GroupSettings, check_same, digest
 from ..core.buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
-from ..comm.base import Communicator, ShardingCommunicator
+from ..comm.base import Communicator
 from ..core.counters import Counters
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..sharding.plan import ShardPlan
+from ..sharding.sync import BucketSync
 from .pipeline import BucketPipeline, Launcher
-from .zero import ShardPlan, plan_shards
 from ..strategies.base import Strategy
 
 __all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
@@ -109,14 +110,6 @@ class _Layout:
     shards: ShardPlan | None = None
 
 
-def _finite(array: Any) -> bool:
-    """Whether every element of ``array`` is finite: one sum (in float32 at least) when it is finite, the
-    elementwise test only when the sum is not (a NaN, an inf, or a finite overflow)."""
-    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
-        return True
-    return bool(xp_of(array).isfinite(array).all())
-
-
 class Engine:
     """Drives any :class:`~distopt.strategies.Strategy` over one communicator.
 
@@ -129,19 +122,16 @@ class Engine:
         divide_by_initial_world_size: while some ranks have joined, divide
             the sum by the world size (PyTorch DDP's default: joined ranks
             contribute zeros); False divides by the ranks that contributed.
-        zero: the sharding stage (:mod:`distopt.step.zero`): 0 all-reduces
-            every bucket; 1 and 2 reduce-scatter them (2 also frees each
-            bucket's buffer once reduced).
+        sync: what the step does with each bucket's reduction
+            (:mod:`distopt.sharding.sync`): all-reduce (the default) or,
+            sharded, reduce-scatter.
     """
 
     def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters,
-                 divide_by_initial_world_size: bool = True, zero: int = 0) -> None:
+                 divide_by_initial_world_size: bool = True, sync: BucketSync | None = None) -> None:
         self.comm, self.buff_size, self.check_finite, self.counters = comm, buff_size, check_finite, counters
         self.divide_by_initial_world_size = divide_by_initial_world_size
-        if zero and not isinstance(comm, ShardingCommunicator):
-            raise ValueError(f"zero={zero} needs a communicator with reduce_scatter, all_gather_into and all_to_all "
-                             f"(distopt.comm.base.ShardingCommunicator); {type(comm).__name__} lacks them")
-        self.zero = zero
+        self.sync = BucketSync() if sync is None else sync
         self.layout: _Layout | None = None  # the last step's layout
         self.launch = Launcher(comm)
         self._specs: tuple[Any, ...] | None = None
@@ -189,7 +179,7 @@ class Engine:
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
-                "reverse": reverse, "zero": self.zero, **strategy.describe()}
+                "reverse": reverse, **self.sync.describe(), **strategy.describe()}
         if groups is not None:
             full["optimizer settings"] = groups.digest
         if specs != self._specs_digest[0]:
@@ -199,7 +189,7 @@ class Engine:
         if grads is not None:
             unsettled = 2 * any(g is None for p, g in zip(params, grads) if is_float(p))
         else:
-            unsettled = 1 if (not self.check_finite and not self.zero and strategy.identical_replicas
+            unsettled = 1 if (not self.check_finite and self.sync.settles_from_reduced and strategy.identical_replicas
                               and all(isinstance(p, np.ndarray) for p in params)) else 2
         not_finite = self.check_finite and not unsettled and self._not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
@@ -221,14 +211,14 @@ class Engine:
             buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
                                    reverse=reverse, first_bucket=first)
             floats = [b for b in buckets if is_float(b.dtype)]
-            shards = plan_shards(floats, self.comm.rank, self.comm.size) if self.zero else None
+            shards = self.sync.plan(floats, self.comm.rank, self.comm.size)
             self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats, shards=shards)
         settled = None
         present = [is_float(p) for p in params]
         if not everyone[:, 3:5].any():  # nobody joined, every rank holds every float gradient
             settled = Outcome(present, self.comm.size, bool(everyone[:, 5].any()))
-        elif not everyone[:, 3].any() and everyone[:, 4].max() == 1 and not everyone[:, 5].any() and not self.zero:
-            settled = _Pending(present, self.comm.size, False)  # a sharded step's segments cannot settle it
+        elif not everyone[:, 3].any() and everyone[:, 4].max() == 1 and not everyone[:, 5].any():
+            settled = _Pending(present, self.comm.size, False)
         return self._layouts[slot], settled
 
     # ------------------------------------------------------------- the step
@@ -259,10 +249,11 @@ class Engine:
         with self.context("parameter check"):
             layout, settled = self._agree(strategy, params, threshold, joined, grads, groups)
         self.layout = layout
-        buffers = {} if self.zero == 2 else layout.buffers  # stage 2: a bucket's buffer lives until it is reduced
+        buffers = self.sync.buffers(layout.buffers)
+        sync = self.sync.begin(self.launch, layout.shards, layout.buckets, buffers, self.comm, self.context,
+                               self.counters)
         return BucketPipeline(strategy, layout.buckets, buffers, layout.key, params, self.launch,
-                              self.comm, self.counters, self.context, views, bucket_view, settled,
-                              layout.shards, release=self.zero == 2)
+                              self.comm, self.counters, self.context, views, bucket_view, settled, sync)
 
     def agree(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, joined: bool,
               grads: Sequence[Any], active: bool = True, groups: GroupSettings | None = None) -> Outcome:
@@ -305,19 +296,18 @@ class Engine:
             pipeline.abandon()
             return outcome
         pipeline.finish(grads, self.comm.size if self.divide_by_initial_world_size else outcome.active)
-        if pipeline.shards is not None:
-            return self._finite_segments(pipeline, outcome)
-        if self.check_finite:
-            bad = np.array([any(not bool(xp_of(g).isfinite(g).all())
-                                for g, ok in zip(grads, outcome.present) if ok and g is not None and is_float(g))],
-                           dtype=np.int32)
-            with self.context("agreement on the reduced gradient being finite"):
-                self.comm.all_reduce(bad, op="max")
-            self.counters.control_collectives += 1
-            if bad[0]:
-                outcome.skipped = True
-                self.counters.skipped_steps += 1
+        if pipeline.buckets and pipeline.sync.vote(grads, outcome.present, self.check_finite, self._vote):
+            outcome.skipped = True
+            self.counters.skipped_steps += 1
         return outcome
+
+    def _vote(self, bad: bool) -> bool:
+        """Whether some rank's ``bad`` is set: one one-element all-reduce (max), on the reduced gradient."""
+        flag = np.array([int(bad)], dtype=np.int32)
+        with self.context("agreement on the reduced gradient being finite"):
+            self.comm.all_reduce(flag, op="max")
+        self.counters.control_collectives += 1
+        return bool(flag[0])
 
     def _settle_from_reduced(self, pipeline: BucketPipeline, grads: list[Any], active: bool) -> Outcome:
         """Finish a pending step's buckets (nobody joined: divided by the world size), then its outcome:
@@ -336,23 +326,6 @@ class Engine:
             if _all_zero(reduced):
                 return self.agree_on_gradients(params, [g if h else None for g, h in zip(grads, had)], active)
         return Outcome([is_float(p) for p in params], self.comm.size, False)
-
-    def _finite_segments(self, pipeline: BucketPipeline, outcome: Outcome) -> Outcome:
-        """A sharded step: the ranks agree whether every reduced segment is finite (one small all-reduce,
-        always: each rank sees only its own segments). Not finite: skipped with ``check_finite``, else every
-        rank's segments are set to NaN, as a dense average would be NaN on every rank (so ``GradScaler``
-        sees it everywhere)."""
-        bad = np.array([any(not _finite(seg) for seg in pipeline.segments.values() if seg.size)], dtype=np.int32)
-        with self.context("agreement on the reduced gradient being finite"):
-            self.comm.all_reduce(bad, op="max")
-        self.counters.control_collectives += 1
-        if bad[0] and self.check_finite:
-            outcome.skipped = True
-            self.counters.skipped_steps += 1
-        elif bad[0]:
-            for seg in pipeline.segments.values():
-                seg[...] = np.nan
-        return outcome
 
     def agree_on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
                            settled: Outcome | None = None) -> Outcome:

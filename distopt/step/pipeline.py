@@ -21,12 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ..core._array import xp_of
-from ..core.buckets import Bucket, put, unpack
+from ..core.buckets import Bucket, put
 from ..comm.base import Communicator
-from ..comm.lifecycle import Completed, profile_range
+from ..comm.lifecycle import profile_range
 from ..core.counters import Counters
+from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
-from .zero import ShardPlan
 
 __all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
 
@@ -95,11 +95,6 @@ def _test(started: Any) -> None:
         test()
 
 
-def _own(segment: Any) -> Any:
-    """``segment`` in memory of its own (a copy when it views a larger buffer that is to be freed)."""
-    return segment.copy() if getattr(segment, "base", None) is not None else segment
-
-
 class BucketPipeline:
     """One step's reductions over a fixed bucket layout.
 
@@ -128,23 +123,15 @@ class BucketPipeline:
         settled: the engine's ``Outcome`` when the step header already
             settled the step (gradients known, present and finite
             everywhere), else None.
-        shards: a sharded optimizer's split of the layout
-            (:class:`~distopt.step.zero.ShardPlan`): every bucket is
-            reduce-scattered, and :meth:`finish` leaves this rank's averaged
-            segments in :attr:`segments` instead of unpacking; None for an
-            all-reduce.
-        release: with ``shards``, drop each bucket's flat buffer as soon as its
-            reduce-scatter has completed (ZeRO stage 2: gradient memory).
-
-    Attributes:
-        segments: with ``shards``, bucket index -> this rank's averaged
-            segment (1-D, ``shards.counts[b][rank]`` elements), after :meth:`finish`.
+        sync: the step's :class:`~distopt.sharding.sync.StepSync`: each
+            bucket's collective, and where its result lands (the gradients,
+            or this rank's segment of a sharded step).
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
                  context: Callable[[str], Any], views: bool = True, bucket_view: bool = False,
-                 settled: Any = None, shards: ShardPlan | None = None, release: bool = False) -> None:
+                 settled: Any = None, sync: StepSync | None = None) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
         self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
@@ -156,17 +143,13 @@ class BucketPipeline:
         self.started: dict[int, Any] = {}
         self.next = 0
         self.settled = settled
-        self.shards, self.release = shards, release
-        self.segments: dict[int, Any] = {}
+        self.sync = StepSync(launch) if sync is None else sync
 
     def _ctx(self, b: int) -> BucketContext:
-        """Bucket ``b``'s context: its reduction an all-reduce, or a reduce-scatter with ``shards``."""
+        """Bucket ``b``'s context, its collective the one the step's sync chose."""
         flat, viewed = self.flats.get(b, (None, False))
-        if self.shards is None:
-            return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
-                                 self.launch, self.counters, flat)
         return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
-                             self.launch.scatter(self.shards.counts[b]), self.counters)
+                             self.sync.launcher(b), self.counters, flat if self.sync.in_place else None)
 
     def _where(self, b: int) -> str:
         bucket = self.buckets[b]
@@ -206,12 +189,13 @@ class BucketPipeline:
             self._start(self.next)
         for b, started in self.started.items():
             _test(started)
-            if self.release and b in self.flats and started.test():
-                self._released(b)
+            kept = self.sync.poll(b, started) if b in self.flats else None
+            if kept is not None:  # the sync holds the result: the bucket's buffer may go
+                self.started[b] = kept
+                self._drop(b)
 
-    def _released(self, b: int) -> None:
-        """ZeRO stage 2: keep bucket ``b``'s reduced segment, drop its flat buffer."""
-        self.started[b] = Completed(_own(self.started[b].wait()))
+    def _drop(self, b: int) -> None:
+        """Let go of bucket ``b``'s flat buffer (its result lives on elsewhere)."""
         del self.flats[b]
         self.buffers.pop(b, None)
 
@@ -252,9 +236,10 @@ class BucketPipeline:
     def finish(self, grads: list[Any], divisor: int) -> None:
         """Complete every bucket and average over ``divisor`` ranks.
 
-        All-reduced buckets are unpacked into ``grads`` (a None entry
-        receives a new array); with ``shards``, this rank's averaged segment
-        of each bucket is kept in :attr:`segments`. Adds the bytes sent to
+        Each bucket's result lands where the step's sync puts it
+        (:meth:`~distopt.sharding.sync.StepSync.land`: unpacked into
+        ``grads``, a None entry receiving a new array, or kept as this
+        rank's segment). Adds the bytes sent to
         ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
         then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
@@ -264,27 +249,9 @@ class BucketPipeline:
                 done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += bucket.size * bucket.dtype.itemsize
-            if self.shards is not None:
-                self._keep_segment(b, done)
-            elif viewed:
-                if done.result is not None:
-                    flat[...] = done.result
-                if done.divisor != 1:
-                    flat /= done.divisor
-            else:
-                unpack(bucket, flat if done.result is None else done.result, grads, done.divisor)
+            if self.sync.land(b, bucket, flat, viewed, done, grads) and b in self.flats:
+                self._drop(b)
         self.strategy.end_of_step()
-
-    def _keep_segment(self, b: int, done: Any) -> None:
-        """A reduce-scattered bucket: keep this rank's averaged segment (stage 2: drop the flat buffer)."""
-        segment = done.result
-        if done.divisor != 1:
-            segment /= done.divisor
-        if self.release and b in self.flats:
-            segment = _own(segment)
-            del self.flats[b]
-            self.buffers.pop(b, None)
-        self.segments[b] = segment
 
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""

@@ -34,7 +34,6 @@ from .engine import Engine, Outcome
 from .local import ArrayOptimizer, LocalOptimizer, checked_pairs
 from .pipeline import BucketPipeline
 from .strategy_set import StrategySet
-from .zero import ParamGather, piece_views, shard_grad_views
 
 __all__ = ["StepRunner", "LastStep", "JoinResult"]
 
@@ -87,8 +86,7 @@ class StepRunner:
         self.last: LastStep | None = None
         self.joining = False
         self._groups: GroupSettings | None = None
-        self._pieces: tuple[Any, list[Any]] | None = None
-        self.segment_bytes = 0  # a sharded step's reduced segments still held (BYTES)
+        self._held: Callable[[], int] = lambda: 0  # BYTES the last step's sync holds outside the layout
 
     @property
     def strategy(self) -> Strategy:
@@ -101,9 +99,7 @@ class StepRunner:
 
     def _prepare(self, strategy: Strategy) -> None:
         """Make ``strategy`` the active one with its restored state; validate it (no communication)."""
-        if self.engine.zero and not (isinstance(strategy, GradientStrategy) and strategy.supports_sharding):
-            raise ValueError(f"zero={self.engine.zero} shards the optimizer over a reduce-scatter, which strategy "
-                             f"{strategy.name!r} does not support; use Dense or Half, or zero=0")
+        self.engine.sync.check(strategy)
         self.active_strategy = strategy
         self.counters.declare(strategy.counter_names)
         self.strategies.restore(strategy)
@@ -127,6 +123,8 @@ class StepRunner:
         ``buckets_started_in_backward``.
         """
         self.counters.buckets_started_in_backward += pipeline.next
+        sync = pipeline.sync
+        self._held = lambda: sync.held_bytes
         return self.engine.complete(pipeline, grads, active)
 
     def finish_step(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, applied: bool) -> None:
@@ -155,7 +153,7 @@ class StepRunner:
         if layout is not None:
             held = sum(int(b.nbytes) for b in layout.buffers.values())
         grads = getattr(self.local, "grad_bytes", None)
-        self.counters.gradient_bytes = held + self.segment_bytes + (grads() if callable(grads) else 0)
+        self.counters.gradient_bytes = held + self._held() + (grads() if callable(grads) else 0)
 
     # ------------------------------------------------------- array models
     def _arrays(self) -> ArrayOptimizer:
@@ -209,34 +207,10 @@ class StepRunner:
             if pipeline is None:
                 pipeline = self.begin(strategy, params, threshold, grads=grads)
             outcome = self.complete(pipeline, grads, active)
-            if outcome.applies and any(outcome.present) and pipeline.shards is not None:
-                self._sharded_update(local, pipeline, params, outcome)
-            elif outcome.applies and any(outcome.present):
-                local.apply(params, grads, outcome.present)
+            if outcome.applies and any(outcome.present):
+                pipeline.sync.apply(local, params, grads, outcome.present)
         self.finish_step(strategy, params, threshold, outcome.applies)
         return outcome.active
-
-    def _sharded_update(self, local: ArrayOptimizer, pipeline: BucketPipeline, params: list[Any],
-                        outcome: Outcome) -> None:
-        """ZeRO: update this rank's pieces with its averaged segments, then all-gather the parameters."""
-        plan = pipeline.shards
-        assert plan is not None
-        key = (id(plan), tuple(id(p) for p in params))
-        if self._pieces is None or self._pieces[0] != key:  # views made once per layout: state keyed by them
-            self._pieces = (key, piece_views(plan, params))
-        self.segment_bytes = sum(int(s.nbytes) for s in pipeline.segments.values() if getattr(s, "base", None) is None)
-        local.apply(self._pieces[1], shard_grad_views(plan, pipeline.segments),
-                    [outcome.present[p.index] for p in plan.pieces])
-        self.gather(pipeline, params, asynchronous=False)
-
-    def gather(self, pipeline: BucketPipeline, params: Sequence[Any], asynchronous: bool) -> ParamGather:
-        """Start (or complete) the all-gather of a sharded step's parameters (collective); returns it."""
-        assert pipeline.shards is not None
-        gather = ParamGather(self.engine.comm, pipeline.buckets, pipeline.shards, params, pipeline.buffers,
-                             self.engine.context, asynchronous)
-        gather.start()
-        self.counters.gather_bytes += gather.gathered_bytes
-        return gather
 
     def average(self, params: Sequence[Any], grads: Sequence[Any], threshold: int | None) -> list[Any]:
         """Average ``grads`` in place with the held strategy, without updating (see ``DistOpt.average``).

@@ -2,14 +2,22 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ..core.counters import Counters
 from ..portable import from_portable, to_portable
 from .local import LocalOptimizer
 from .strategy_set import StrategySet
 
-__all__ = ["StepState", "STATE_FORMAT"]
+__all__ = ["StepState", "ShardedStateLike", "STATE_FORMAT"]
+
+class ShardedStateLike(Protocol):
+    """A sharded optimizer's checkpoint state (:class:`distopt.sharding.torch_state.ShardedState`)."""
+
+    def state_dict(self, sharded: bool) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
 
 #: Version of :meth:`StepState.state_dict`'s layout (2: strategies own their state).
 STATE_FORMAT = 2
@@ -31,11 +39,13 @@ class StepState:
         local: the local optimizer.
         counters: ``DistOpt.stats``.
         strategies: the held and per-call strategies.
+        sharding: a sharded torch optimizer's state, which stands in for the
+            local optimizer's own (consolidated or per rank); None otherwise.
     """
 
-    def __init__(self, local: LocalOptimizer, counters: Counters, strategies: StrategySet) -> None:
-        self.local, self.counters, self.strategies = local, counters, strategies
-        self.sharding: Any = None  # a sharded torch optimizer's ShardedState (zero=1|2), set by DistOpt
+    def __init__(self, local: LocalOptimizer, counters: Counters, strategies: StrategySet,
+                 sharding: ShardedStateLike | None = None) -> None:
+        self.local, self.counters, self.strategies, self.sharding = local, counters, strategies, sharding
 
     def _torch_layout(self) -> bool:
         return hasattr(self.local, "optimizer")
@@ -49,7 +59,7 @@ class StepState:
         tensors, see :mod:`distopt.portable`) when PyTorch is installed, so
         ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
         A sharded optimizer's state is consolidated (collective), or this
-        rank's shard with ``sharded`` (see :class:`~distopt.torch.zero.ShardedState`).
+        rank's shard with ``sharded`` (see :class:`~distopt.sharding.torch_state.ShardedState`).
 
         Raises:
             ValueError: ``sharded=True`` without a sharded torch optimizer.

@@ -72,6 +72,7 @@ from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .nested import inside_nested_backward
 from .owners import claim, release
+from .sink import GradientSink
 from .sparse import SparseGrads
 
 __all__ = ["Follower"]
@@ -91,6 +92,8 @@ class Follower:
         model: the ``torch.nn.Module``, whose ``require_backward_grad_sync``
             attribute (DDP's toggle), when False, makes a backward accumulate
             as inside ``no_sync()``; None: no such toggle.
+        sink: where the reduced gradients go (:class:`~distopt.torch.sink.GradientSink`:
+            ``.grad``; a sharded optimizer's sink: its shard tensors).
 
     Attributes:
         passes: backward passes accumulated since the last reduction.
@@ -103,11 +106,12 @@ class Follower:
     """
 
     def __init__(self, runner: StepRunner, local: TorchOptimizer, passes_per_step: int, sparse_as_dense: bool,
-                 bucket_view: bool, model: Any = None) -> None:
+                 bucket_view: bool, model: Any = None, sink: GradientSink | None = None) -> None:
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes_per_step}")
         self.runner, self.local, self.k = runner, local, passes_per_step
-        self.sparse = SparseGrads(runner.engine, local.optimizer, sparse_as_dense or bucket_view)
+        self.sink = GradientSink() if sink is None else sink
+        self.sparse = SparseGrads(runner.engine, local.optimizer, sparse_as_dense or bucket_view or self.sink.densify)
         self.views, self.model = BucketViews() if bucket_view else None, model
         self.passes = self.no_sync_depth = self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
@@ -122,7 +126,6 @@ class Follower:
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
         self._pending = self._reduced = self._skipped = False
-        self.zero: Any = None  # a sharded optimizer's ShardedTorchStep (zero=1|2), set by DistOpt
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
@@ -273,23 +276,11 @@ class Follower:
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes, self._pending, self._reduced = 0, False, True
         self._skipped = self.sparse.reduce(outcome, shadow) or not outcome.applies
-        (self._set_grads(grads, outcome, shadow) if self.zero is None
-         else self.zero.adopt(pipeline, self._tensors, outcome))
+        self.sink.adopt(pipeline, self._tensors, grads, outcome, self._skipped, shadow,
+                        None if self.views is None else self.views.views)
+        self.sparse.give_back(self._tensors, self._skipped)
         self.local.hook(self._tensors, self.on_grad)
         return outcome
-
-    def _set_grads(self, grads: list[Any], outcome: Outcome, shadow: bool) -> None:
-        views = self.views
-        for i, (t, g, ok) in enumerate(zip(self._tensors, grads, outcome.present)):
-            if self._skipped or not ok:
-                t.grad = None
-            elif t.grad is None and views is not None:
-                t.grad = views.views[i]  # its slot (zeros here) holds the average of the other ranks
-            elif t.grad is None:
-                t.grad = as_tensor(g)
-            elif shadow:
-                t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
-        self.sparse.give_back(self._tensors, self._skipped)
 
     # ---------------------------------------------------------------- step
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
@@ -302,8 +293,7 @@ class Follower:
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         strategy = self._current()
-        if self.zero is not None:
-            self.zero.after_step(applied=not self._skipped)
+        self.sink.after_step(applied=not self._skipped)
         params = self.local.arrays() if isinstance(strategy, ParameterAverager) else []
         self.runner.finish_step(strategy, params, self._threshold, applied=not self._skipped)
         self._reduced = self._skipped = False
@@ -365,8 +355,7 @@ class Follower:
     def zero_grad(self, set_to_none: bool) -> None:
         """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
         self.drain(outside_backward=True)
-        if self.zero is not None:
-            self.zero.swap_out()
+        self.sink.swap_out()
         self.local.optimizer.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:

@@ -73,8 +73,7 @@ class TorchSurface:
         synchronizing backward); averages an accumulation still pending (``no_sync``) now. With
         ``overlap_param_gather`` it also completes the parameter all-gathers still in flight."""
         self.follower.synchronize()
-        if self.follower.zero is not None:
-            self.follower.zero.wait()
+        self.follower.sink.wait()
 
     def skip_synchronize(self) -> Any:
         """Horovod's ``with opt.skip_synchronize(): opt.step()``: the step averages nothing more."""
@@ -95,12 +94,7 @@ class TorchSurface:
         """Clip the averaged gradients by their global norm, after backward: ``torch.nn.utils.clip_grad_norm_``
         over the parameters, or with ``zero=1|2`` over every rank's shard (collective: one small all-reduce;
         agrees with the unsharded norm to float rounding). Returns the norm (a 0-dim tensor)."""
-        zero = self.follower.zero
-        if zero is not None:
-            return zero.clip_grad_norm_(max_norm, norm_type)
-        import torch
-
-        return torch.nn.utils.clip_grad_norm_(self.local.params(), max_norm, norm_type)
+        return self.follower.sink.clip_grad_norm_(self.local.params(), max_norm, norm_type)
 
     def __repr__(self) -> str:
         return f"DistOpt({self.local.optimizer!r}, world_size={self.world_size})"

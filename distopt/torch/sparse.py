@@ -83,10 +83,10 @@ class SparseGrads:
     """The sparse gradients of one follower: which trainable tensors are sparse, and their averaging.
 
     Args:
-        engine: the step engine (communicator, counters, division rule, ``zero``).
+        engine: the step engine (communicator, counters, division rule).
         optimizer: the inner ``torch.optim.Optimizer`` (:func:`needs_sparse`).
         densify: average sparse gradients densely (``sparse_as_dense=True``,
-            ``gradient_as_bucket_view``); ``engine.zero`` implies it.
+            ``gradient_as_bucket_view``, a sharded optimizer's sink).
 
     Attributes:
         kinds: ``id(tensor) -> code`` of every classified tensor (see :data:`DENSE`).
@@ -95,7 +95,7 @@ class SparseGrads:
     """
 
     def __init__(self, engine: Engine, optimizer: Any, densify: bool) -> None:
-        self.engine, self.densify = engine, bool(densify or engine.zero)
+        self.engine, self.densify = engine, bool(densify)
         self.sparse_out = needs_sparse(optimizer)
         self.kinds: dict[int, int] = {}
         self.owned: list[Any] = []

@@ -1,13 +1,13 @@
-"""A sharded torch optimizer's checkpoints (:class:`ShardedState`) and its wiring into DistOpt (:func:`attach`)."""
+"""A sharded torch optimizer's checkpoints (:class:`ShardedState`) and its wiring (:func:`torch_sharding`)."""
 from __future__ import annotations
 
 from typing import Any
 
-from ..step.runner import StepRunner
-from .adapter import TorchOptimizer
-from .zero import ShardedTorchStep, check_elementwise, consolidate, gather_objects
+from ..torch.adapter import TorchOptimizer
+from ..torch.sink import GradientSink
+from .torch_step import ShardedTorchStep, check_elementwise, consolidate, gather_objects
 
-__all__ = ["ShardedState", "attach"]
+__all__ = ["ShardedState", "torch_sharding"]
 
 
 class ShardedState:
@@ -102,15 +102,18 @@ class ShardedState:
             self.shards.load_full(pending, self.shards.local.params())
 
 
-def attach(runner: StepRunner, local: TorchOptimizer, follower: Any, state: Any, zero: int,
-           overlap_param_gather: bool, model: Any, bucket_view: bool) -> ShardedTorchStep:
-    """Make ``follower``'s steps sharded (``DistOpt(torch_opt, zero=1|2)``) and ``state`` consolidate them.
+def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_gather: bool, model: Any,
+                   bucket_view: bool) -> tuple[GradientSink, ShardedState | None]:
+    """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
+    state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state).
 
     Raises:
         ValueError: the optimizer is not elementwise (:func:`check_elementwise`);
             ``zero=2`` with ``gradient_as_bucket_view`` (whose buckets keep the
             whole gradient); ``overlap_param_gather`` without ``model=``.
     """
+    if not zero:
+        return GradientSink(), None
     check_elementwise(local.optimizer, zero)
     if zero == 2 and bucket_view:
         raise ValueError("zero=2 frees each gradient bucket once reduced; gradient_as_bucket_view=True keeps every "
@@ -118,9 +121,7 @@ def attach(runner: StepRunner, local: TorchOptimizer, follower: Any, state: Any,
     if overlap_param_gather and model is None:
         raise ValueError("overlap_param_gather=True waits for each bucket's gather in the forward pre-hooks of "
                          "model=; pass model=your_module")
-    shards = ShardedTorchStep(runner, local, zero, overlap_param_gather)
-    follower.zero = shards
-    state.sharding = ShardedState(shards, runner.engine.comm)
+    shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather:
         local.handles.extend(shards.hook_model(model))
-    return shards
+    return shards, ShardedState(shards, comm)

@@ -5,7 +5,7 @@ hyper-parameters (LR schedulers work unchanged) but, from the end of each
 synchronizing backward until its ``step()`` returns, its groups hold this
 rank's *shard tensors*: 1-D views into the parameters, one per piece of a
 parameter that falls in this rank's segment of a bucket
-(:mod:`distopt.step.zero`), whose ``.grad`` is a view into the reduced
+(:mod:`distopt.sharding.plan`), whose ``.grad`` is a view into the reduced
 segment. So ``step()`` updates only this rank's pieces and the optimizer's
 state (momentum, Adam's moments) holds 1/W of the elements; ``GradScaler``
 unscales and checks the shard gradients; then the parameters are
@@ -26,9 +26,11 @@ import numpy as np
 
 from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
-from ..step.runner import StepRunner
-from ..step.zero import ParamGather, ShardPlan
-from .adapter import TorchOptimizer, as_array, as_tensor
+from ..torch.adapter import TorchOptimizer, as_array, as_tensor
+from ..torch.sink import GradientSink
+from .gather import ParamGather
+from .plan import ShardPlan
+from .sync import ShardedStep
 
 __all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "gather_objects", "ELEMENTWISE"]
 
@@ -57,11 +59,12 @@ def check_elementwise(optimizer: Any, zero: int) -> None:
                          "declare it, or use zero=0")
 
 
-class ShardedTorchStep:
-    """Shard tensors, the swap of the inner optimizer's groups, and the parameter all-gather.
+class ShardedTorchStep(GradientSink):
+    """A sharded optimizer's gradient sink: shard tensors, the swap of the inner optimizer's groups, and
+    the parameter all-gather.
 
     Args:
-        runner: the step runner (its gather and counters).
+        comm: the communicator (re-sharding the state, the clipping norm).
         local: the torch local optimizer.
         stage: 1 or 2.
         overlap_param_gather: leave each bucket's gather in flight until the
@@ -69,10 +72,13 @@ class ShardedTorchStep:
 
     Attributes:
         swapped: the inner optimizer's groups hold the shard tensors now.
+        densify: True: a sparse gradient is reduced densely in its bucket.
     """
 
-    def __init__(self, runner: StepRunner, local: TorchOptimizer, stage: int, overlap_param_gather: bool) -> None:
-        self.runner, self.local, self.stage, self.overlap = runner, local, stage, overlap_param_gather
+    densify = True
+
+    def __init__(self, comm: Any, local: TorchOptimizer, stage: int, overlap_param_gather: bool) -> None:
+        self.comm, self.local, self.stage, self.overlap = comm, local, stage, overlap_param_gather
         self.swapped = False
         self._real: list[list[Any]] = []
         self._key: tuple[Any, ...] | None = None
@@ -80,7 +86,7 @@ class ShardedTorchStep:
         self.tensors: list[Any] = []  # the parameters of the plan, in the step's order
         self.shards: list[Any] = []  # one shard tensor per piece of the plan
         self._groups: list[int] = []  # the parameter group of each piece
-        self._pipeline: BucketPipeline | None = None
+        self._step: ShardedStep | None = None
         self._gather: ParamGather | None = None
         self.restore: Any = None  # called once the first plan is bound (a checkpoint loaded before it)
         self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
@@ -97,7 +103,7 @@ class ShardedTorchStep:
         full = None
         if self.plan is not None:
             shapes = [tuple(p.shape) for p in self.local.params()]
-            full = consolidate(gather_objects(self.runner.engine.comm, self.pieces()), shapes)
+            full = consolidate(gather_objects(self.comm, self.pieces()), shapes)
             for s in self.shards:
                 state.pop(s, None)
         group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
@@ -110,13 +116,15 @@ class ShardedTorchStep:
             restore, self.restore = self.restore, None
             restore()
 
-    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], outcome: Outcome) -> None:
+    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],  # noqa: ARG002
+              outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:  # noqa: ARG002
         """After a sharded reduction: set ``.grad`` (see the module docs) and swap the shard tensors in."""
-        plan = pipeline.shards
-        assert plan is not None
+        step = pipeline.sync
+        assert isinstance(step, ShardedStep)
+        plan = step.plan
         self.swap_out()
         self._bind(plan, tensors)
-        self._pipeline = pipeline
+        self._step = step
         for t, ok in zip(tensors, outcome.present):
             if not outcome.applies or not ok or self.stage == 2:
                 t.grad = None
@@ -126,13 +134,9 @@ class ShardedTorchStep:
                 t.grad.zero_()
         if not outcome.applies:
             return
-        held = 0
-        for seg in pipeline.segments.values():
-            held += int(seg.nbytes) if getattr(seg, "base", None) is None else 0
-        self.runner.segment_bytes = held
         for p, s in zip(plan.pieces, self.shards):
             if outcome.present[p.index]:
-                s.grad = as_tensor(pipeline.segments[p.bucket])[p.offset:p.offset + p.size]
+                s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
                 t = tensors[p.index]
                 if self.stage == 1:
                     t.grad.view(-1)[p.start:p.stop] = s.grad
@@ -176,14 +180,13 @@ class ShardedTorchStep:
     def after_step(self, applied: bool) -> None:
         """After the inner ``step()``: swap back, drop the shard gradients, gather the parameters."""
         self.swap_out()
-        pipeline, self._pipeline = self._pipeline, None
+        step, self._step = self._step, None
         for s in self.shards:
             s.grad = None
-        if not applied or pipeline is None:
+        if not applied or step is None:
             return
         self.wait()
-        arrays = [as_array(t) for t in self.tensors]
-        self._gather = self.runner.gather(pipeline, arrays, asynchronous=self.overlap)
+        self._gather = step.gather([as_array(t) for t in self.tensors], asynchronous=self.overlap)
 
     def wait(self, tensors: Sequence[Any] | None = None) -> None:
         """Complete the parameter gathers still in flight: all of them, or those holding ``tensors``."""
@@ -211,7 +214,7 @@ class ShardedTorchStep:
         return handles
 
     # ---------------------------------------------------------- clipping
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
+    def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:  # noqa: ARG002
         """Scale the shard gradients so the global ``norm_type`` norm is at most ``max_norm`` (collective:
         one all-reduce of the shards' norms; ``torch.nn.utils.clip_grad_norm_``'s formula). Returns the
         global norm (a 0-dim float32 tensor)."""
@@ -223,7 +226,7 @@ class ShardedTorchStep:
         local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0) if inf else \
             sum(float(torch.linalg.vector_norm(g, p, dtype=torch.float64)) ** p for g in grads)
         total = np.array([local], dtype=np.float64)
-        self.runner.engine.comm.all_reduce(total, op="max" if inf else "sum")
+        self.comm.all_reduce(total, op="max" if inf else "sum")
         norm = float(total[0]) if inf else float(total[0]) ** (1.0 / p)
         coef = min(float(max_norm) / (norm + 1e-6), 1.0)
         if coef < 1.0 and grads:

@@ -1,4 +1,4 @@
-"""A sharded optimizer (ZeRO stages 1 and 2): each rank updates the segment of every bucket it owns.
+"""The shard plan: which segment of every bucket each rank owns, and the stage and its checks.
 
 ZeRO (Rajbhandari, Rasley, Ruwase & He, SC 2020, "ZeRO: memory
 optimizations toward training trillion parameter models") and Megatron-LM's
@@ -14,8 +14,8 @@ and a rank's shard is one slice per bucket. A step:
    this rank's segments (1-D views into the parameters, so its state has
    1/W of the elements);
 3. all-gathers every bucket's parameters in place, so every rank holds
-   bitwise the same parameters again (:class:`ParamGather`; bucket by
-   bucket as the next forward reaches them with ``overlap_param_gather``).
+   bitwise the same parameters again (:class:`~distopt.sharding.gather.ParamGather`;
+   bucket by bucket as the next forward reaches them with ``overlap_param_gather``).
 
 A reduce-scatter plus an all-gather move the bytes of one all-reduce (a
 ring sends ``(W-1)/W`` of the bucket in each). Stage 2 also releases each
@@ -24,14 +24,14 @@ bucket's gradient buffer once its reduce-scatter has completed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from ..comm.base import Communicator, split_counts
-from ..core.buckets import Bucket, pack, unpack
-from ..strategies.base import GradientStrategy, Strategy
+from ..comm.base import split_counts
+from ..core.buckets import Bucket
+from ..strategies.base import Strategy
 
-__all__ = ["Piece", "ShardPlan", "plan_shards", "piece_views", "shard_grad_views", "ParamGather", "ZERO_STAGES",
-           "check_stage", "check_sharding"]
+__all__ = ["Piece", "ShardPlan", "plan_shards", "piece_views", "shard_grad_views", "ZERO_STAGES", "check_stage",
+           "check_sharding", "check_strategy"]
 
 #: The sharding stages: 0 (none: every rank updates everything), 1 (optimizer state), 2 (and gradients).
 ZERO_STAGES = (0, 1, 2)
@@ -56,7 +56,7 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
         zero: the requested stage.
         strategy: the held strategy.
         array_opt: the array optimizer (None for a PyTorch one, checked by
-            :func:`distopt.torch.zero.check_elementwise`).
+            :func:`distopt.sharding.torch_step.check_elementwise`).
         overlap_param_gather: the option of the same name.
 
     Raises:
@@ -67,11 +67,21 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
             needs a PyTorch model's forward hooks).
     """
     zero = check_stage(zero)
-    if zero and not (isinstance(strategy, GradientStrategy) and strategy.supports_sharding):
-        raise ValueError(f"zero={zero} needs a strategy that supports sharding (Dense, Half), not {strategy.name!r}")
+    check_strategy(zero, strategy)
     if zero and array_opt is not None:
         _check_array(array_opt, zero, overlap_param_gather)
     return zero
+
+
+def check_strategy(zero: int, strategy: Strategy) -> None:
+    """Refuse a strategy whose one collective per bucket cannot become a reduce-scatter under ``zero``.
+
+    Raises:
+        ValueError: ``zero`` is 1 or 2 and ``strategy.supports_sharding`` is False.
+    """
+    if zero and not strategy.supports_sharding:
+        raise ValueError(f"zero={zero} needs a strategy that supports sharding (its bucket collective becomes a "
+                         f"reduce-scatter): Dense or Half, not {strategy.name!r}; or use zero=0")
 
 
 def _check_array(opt: Any, zero: int, overlap_param_gather: bool) -> None:
@@ -157,84 +167,3 @@ def piece_views(plan: ShardPlan, arrays: Sequence[Any]) -> list[Any]:
 def shard_grad_views(plan: ShardPlan, segments: dict[int, Any]) -> list[Any]:
     """One 1-D view per piece into the reduced segments (``segments[b]``: this rank's part of bucket b)."""
     return [segments[p.bucket][p.offset:p.offset + p.size] for p in plan.pieces]
-
-
-class ParamGather:
-    """The all-gather of a layout's parameters after a sharded update, bucket by bucket.
-
-    Each bucket's flat buffer is the lone parameter itself (C-contiguous),
-    or a packed copy that is unpacked when the bucket's gather has
-    completed. Buckets are started last to first (the layout walks
-    parameters in reverse, so the last bucket holds the first layers: the
-    ones the next forward needs first).
-
-    Args:
-        comm: the communicator (``all_gather_into``; ``all_gather_into_async``
-            where the backend has it).
-        buckets: the layout's float buckets.
-        plan: the layout's :class:`ShardPlan`.
-        params: the parameters (arrays), in the step's order.
-        buffers: packing buffers by bucket index (reused; new ones are added).
-        context: wraps collective errors with the step and the bucket.
-        asynchronous: start every gather now and complete each at
-            :meth:`wait` (``overlap_param_gather``); False completes them
-            all in :meth:`start`.
-
-    Attributes:
-        gathered_bytes: BYTES of the buckets gathered (the buckets' sizes).
-    """
-
-    def __init__(self, comm: Communicator, buckets: Sequence[Bucket], plan: ShardPlan, params: Sequence[Any],
-                 buffers: dict[int, Any], context: Callable[[str], Any], asynchronous: bool) -> None:
-        self.comm, self.buckets, self.plan, self.params = comm, buckets, plan, list(params)
-        self.buffers, self.context, self.asynchronous = buffers, context, asynchronous
-        self._pending: dict[int, tuple[Any, Any, bool]] = {}
-        self.gathered_bytes = 0
-
-    def _where(self, b: int) -> str:
-        return f"parameter all-gather, bucket {b + 1} of {len(self.buckets)}"
-
-    def start(self) -> None:
-        """Start (or, not asynchronous, complete) the gather of every bucket, last bucket first."""
-        native = getattr(self.comm, "all_gather_into_async", None) if self.asynchronous else None
-        for b in reversed(range(len(self.buckets))):
-            bucket = self.buckets[b]
-            flat, viewed = pack(bucket, self.params, self.buffers.get(b))
-            if not viewed:
-                self.buffers[b] = flat
-            self.gathered_bytes += int(flat.nbytes)
-            with self.context(self._where(b)):
-                if native is None:
-                    self.comm.all_gather_into(flat, self.plan.counts[b])
-                    handle = None
-                else:
-                    handle = native(flat, self.plan.counts[b])
-            self._pending[b] = (handle, flat, viewed)
-            if native is None:
-                self.wait(b)
-
-    def buckets_of(self, indices: set[int]) -> list[int]:
-        """The pending buckets holding any of the parameters ``indices``."""
-        return [b for b in self._pending if any(s.index in indices for s in self.buckets[b].slots)]
-
-    def wait(self, b: int) -> None:
-        """Complete bucket ``b``'s gather (a no-op when it has completed)."""
-        entry = self._pending.pop(b, None)
-        if entry is None:
-            return
-        handle, flat, viewed = entry
-        if handle is not None:
-            with self.context(self._where(b)):
-                handle.wait()
-        if not viewed:
-            unpack(self.buckets[b], flat, self.params)
-
-    def wait_all(self) -> None:
-        """Complete every pending gather."""
-        for b in list(self._pending):
-            self.wait(b)
-
-    @property
-    def pending(self) -> bool:
-        """True while some bucket's gather has not completed."""
-        return bool(self._pending)

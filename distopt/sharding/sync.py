@@ -1,0 +1,270 @@
+"""The bucket sync: what a step does with each reduced bucket, replicated (``zero=0``) or sharded (1, 2).
+
+The step engine holds one :class:`BucketSync` for its life, chosen by
+:func:`bucket_sync`; each step's pipeline holds the :class:`StepSync` it
+begins. Everything that differs between the stages is here:
+
+=========================  ===========================  ===================================
+                           replicated (``zero=0``)       sharded (``zero=1|2``)
+=========================  ===========================  ===================================
+a bucket's collective      all-reduce, in place          reduce-scatter: this rank's segment
+the reduced bucket         unpacked into the gradients   kept as the segment (stage 2: the
+                                                         bucket's buffer is dropped)
+the finiteness vote        only with ``check_finite``    always (each rank sees its segments)
+the update                 every parameter               this rank's pieces, then the
+                                                         parameters' all-gather
+=========================  ===========================  ===================================
+
+The torch side of a sharded step (shard tensors, ``.grad``, checkpoints)
+is :mod:`distopt.sharding.torch_step` and :mod:`distopt.sharding.torch_state`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..comm.base import Communicator, ShardingCommunicator
+from ..comm.lifecycle import Completed
+from ..core._array import xp_of
+from ..core.buckets import Bucket, is_float, unpack
+from ..core.counters import Counters
+from ..strategies.base import Strategy
+from .gather import ParamGather
+from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
+
+__all__ = ["BucketSync", "ShardedSync", "StepSync", "ShardedStep", "bucket_sync"]
+
+#: ``vote(bad, where)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
+Vote = Callable[[bool], bool]
+
+
+def _finite(array: Any) -> bool:
+    """Whether every element of ``array`` is finite: one sum (in float32 at least) when it is finite, the
+    elementwise test only when the sum is not (a NaN, an inf, or a finite overflow)."""
+    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
+        return True
+    return bool(xp_of(array).isfinite(array).all())
+
+
+def _own(segment: Any) -> Any:
+    """``segment`` in memory of its own (a copy when it views a larger buffer that is to be freed)."""
+    return segment.copy() if getattr(segment, "base", None) is not None else segment
+
+
+class StepSync:
+    """One replicated step: every bucket all-reduced and unpacked into the gradients.
+
+    Args:
+        launch: starts an all-reduce, ``launch(array, op)`` (the pipeline's launcher).
+    """
+
+    #: The header may leave the step's outcome to the reduced gradients (bitwise equal on every rank).
+    settles_from_reduced = True
+    #: A bucket's collective leaves its result in the bucket's flat buffer (``BucketContext.out``).
+    in_place = True
+
+    def __init__(self, launch: Any) -> None:
+        self.launch = launch
+
+    def launcher(self, b: int) -> Callable[[Any, str], Any]:  # noqa: ARG002 (one launcher for every bucket)
+        """Bucket ``b``'s collective: an all-reduce whose handle's ``wait()`` reduces in place."""
+        return self.launch
+
+    def poll(self, b: int, started: Any) -> Any:  # noqa: ARG002 (nothing to release)
+        """A bucket's handle to keep in place of ``started`` once its buffer may be dropped; None: keep it."""
+        return None
+
+    def land(self, b: int, bucket: Bucket, flat: Any, viewed: bool, done: Any,  # noqa: ARG002
+             grads: list[Any]) -> bool:
+        """Put bucket ``b``'s result in ``grads`` (a viewed bucket: in ``flat``, the gradients' memory),
+        divided as ``done.divisor`` says; returns whether the pipeline may drop the bucket's buffer."""
+        if viewed:
+            if done.result is not None:
+                flat[...] = done.result
+            if done.divisor != 1:
+                flat /= done.divisor
+        else:
+            unpack(bucket, flat if done.result is None else done.result, grads, done.divisor)
+        return False
+
+    def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
+        """With ``check_finite``, whether the ranks agree that some REDUCED gradient is not finite (an
+        overflowing half-precision sum of finite inputs): the step is then skipped (collective)."""
+        if not check_finite:
+            return False
+        bad = any(not bool(xp_of(g).isfinite(g).all()) for g, ok in zip(grads, present)
+                  if ok and g is not None and is_float(g))
+        return agree(bad)
+
+    def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:
+        """The local update of an array model: every parameter with a gradient on some rank."""
+        local.apply(params, grads, present)
+
+    @property
+    def held_bytes(self) -> int:
+        """BYTES of reduced gradient this step holds outside the layout's buffers."""
+        return 0
+
+
+class ShardedStep(StepSync):
+    """One sharded step: every bucket reduce-scattered; this rank keeps and updates its segments.
+
+    Args:
+        launch: the pipeline's launcher (its ``scatter(counts)``).
+        plan: the layout's :class:`~distopt.sharding.plan.ShardPlan`.
+        release: drop each bucket's buffer once reduced (stage 2).
+        buckets: the layout's float buckets.
+        buffers: the layout's packing buffers (the gather packs into them).
+        comm: the communicator (the parameters' all-gather).
+        context: wraps collective errors with the step and the bucket.
+        counters: the step counters (``gather_bytes``).
+        pieces: ``pieces(params)``: the 1-D views of this rank's pieces, the
+            same objects at every step of a layout (an array optimizer keys
+            its state by them).
+
+    Attributes:
+        segments: bucket index -> this rank's averaged segment (1-D,
+            ``plan.counts[b][rank]`` ELEMENTS), once the bucket has landed.
+    """
+
+    settles_from_reduced = False  # each rank sees only its own segments
+    in_place = False  # a reduce-scatter's result is a new array, the segment
+
+    def __init__(self, launch: Any, plan: ShardPlan, release: bool, buckets: Sequence[Bucket],
+                 buffers: dict[int, Any], comm: Communicator, context: Callable[[str], Any],
+                 counters: Counters, pieces: Callable[[list[Any]], list[Any]]) -> None:
+        super().__init__(launch)
+        self.plan, self.release, self.buckets, self.buffers = plan, release, buckets, buffers
+        self.pieces = pieces
+        self.comm, self.context, self.counters = comm, context, counters
+        self.segments: dict[int, Any] = {}
+        self._scatter = [launch.scatter(c) for c in plan.counts]
+
+    def launcher(self, b: int) -> Callable[[Any, str], Any]:
+        """Bucket ``b``'s collective: a reduce-scatter whose handle's ``wait()`` returns this rank's segment."""
+        return self._scatter[b]
+
+    def poll(self, b: int, started: Any) -> Any:  # noqa: ARG002
+        """Stage 2: a completed reduce-scatter's segment, owned (the bucket's buffer may then be dropped)."""
+        if self.release and started.test():
+            return Completed(_own(started.wait()))
+        return None
+
+    def land(self, b: int, bucket: Bucket, flat: Any, viewed: bool, done: Any,  # noqa: ARG002
+             grads: list[Any]) -> bool:
+        """Keep bucket ``b``'s averaged segment; returns True (drop the buffer) at stage 2."""
+        segment = done.result
+        if done.divisor != 1:
+            segment /= done.divisor
+        if self.release and flat is not None:
+            segment = _own(segment)
+        self.segments[b] = segment
+        return self.release and flat is not None
+
+    def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
+        """Whether every rank's segments are finite (collective, always). Not finite: skipped with
+        ``check_finite``, else every rank's segments are set to NaN, as a dense average would be NaN on
+        every rank (so ``GradScaler`` sees it everywhere)."""
+        bad = agree(any(not _finite(seg) for seg in self.segments.values() if seg.size))
+        if bad and not check_finite:
+            for seg in self.segments.values():
+                seg[...] = np.nan
+        return bad and check_finite
+
+    def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:  # noqa: ARG002
+        """Update this rank's pieces with its averaged segments, then all-gather the parameters."""
+        local.apply(self.pieces(params), shard_grad_views(self.plan, self.segments),
+                    [present[p.index] for p in self.plan.pieces])
+        self.gather(params, asynchronous=False)
+
+    def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
+        """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
+        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous)
+        gather.start()
+        self.counters.gather_bytes += gather.gathered_bytes
+        return gather
+
+    @property
+    def held_bytes(self) -> int:
+        """BYTES of the segments held in memory of their own (stage 2; stage 1's view the buffers)."""
+        return sum(int(s.nbytes) for s in self.segments.values() if getattr(s, "base", None) is None)
+
+
+class BucketSync:
+    """The replicated stage (``zero=0``): the engine's policy for its layouts and steps."""
+
+    stage = 0
+    #: See :attr:`StepSync.settles_from_reduced`.
+    settles_from_reduced = True
+
+    def check(self, strategy: Strategy) -> None:
+        """Refuse a strategy this stage cannot run (see :func:`~distopt.sharding.plan.check_strategy`)."""
+        check_strategy(self.stage, strategy)
+
+    def describe(self) -> dict[str, Any]:
+        """The setting every rank must agree on (part of the step header's digest)."""
+        return {"zero": self.stage}
+
+    def plan(self, buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan | None:  # noqa: ARG002
+        """The shard plan of a new layout (None: replicated)."""
+        return None
+
+    def buffers(self, layout_buffers: dict[int, Any]) -> dict[int, Any]:
+        """The packing buffers a step may use: the layout's, kept from step to step."""
+        return layout_buffers
+
+    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
+              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> StepSync:  # noqa: ARG002
+        """The :class:`StepSync` of one step."""
+        return StepSync(launch)
+
+
+class ShardedSync(BucketSync):
+    """A sharded stage (``zero=1|2``, ZeRO): reduce-scatter, update the pieces, all-gather.
+
+    Args:
+        stage: 1 (optimizer state) or 2 (and gradients: each bucket's buffer
+            is dropped once reduced, and a step's buffers are new).
+    """
+
+    settles_from_reduced = False
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self._pieces: tuple[Any, list[Any]] | None = None
+
+    def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:
+        key = (id(plan), tuple(id(p) for p in params))
+        if self._pieces is None or self._pieces[0] != key:  # made once per layout and parameter list
+            self._pieces = (key, piece_views(plan, params))
+        return self._pieces[1]
+
+    def plan(self, buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
+        """Split every bucket over the ranks (:func:`~distopt.sharding.plan.plan_shards`)."""
+        return plan_shards(buckets, rank, size)
+
+    def buffers(self, layout_buffers: dict[int, Any]) -> dict[int, Any]:
+        """Stage 2: a bucket's buffer lives only until its reduce-scatter completes (new ones per step)."""
+        return {} if self.stage == 2 else layout_buffers
+
+    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
+              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> ShardedStep:
+        assert plan is not None
+        return ShardedStep(launch, plan, self.stage == 2, buckets, buffers, comm, context, counters,
+                           lambda params: self._views(plan, params))
+
+
+def bucket_sync(zero: int, comm: Communicator) -> BucketSync:
+    """The bucket sync of stage ``zero`` (validated by :func:`~distopt.sharding.plan.check_stage`).
+
+    Raises:
+        ValueError: ``zero`` is 1 or 2 and ``comm`` lacks ``reduce_scatter``,
+            ``all_gather_into`` or ``all_to_all`` (:class:`~distopt.comm.base.ShardingCommunicator`).
+    """
+    if not zero:
+        return BucketSync()
+    if not isinstance(comm, ShardingCommunicator):
+        raise ValueError(f"zero={zero} needs a communicator with reduce_scatter, all_gather_into and all_to_all "
+                         f"(distopt.comm.base.ShardingCommunicator); {type(comm).__name__} lacks them")
+    return ShardedSync(zero)

@@ -1,0 +1,67 @@
+"""Where a PyTorch step's reduced gradients go: the gradient sink a follower is built with.
+
+:class:`GradientSink` is the replicated one: every parameter's ``.grad``
+holds the cross-rank average, as with PyTorch DDP. A sharded optimizer's
+sink (:class:`distopt.sharding.torch_step.ShardedTorchStep`) overrides it:
+``.grad`` then holds this rank's segment, the inner optimizer steps its
+shard tensors, and the parameters are all-gathered after the step.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..step.engine import Outcome
+from ..step.pipeline import BucketPipeline
+from .adapter import as_tensor
+
+__all__ = ["GradientSink"]
+
+
+class GradientSink:
+    """The replicated sink: the average lands in ``.grad`` (see the module docs).
+
+    Attributes:
+        densify: sparse gradients must be reduced densely, in the buckets
+            (False here: they may be averaged as sparse).
+    """
+
+    densify = False
+
+    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],  # noqa: ARG002
+              outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:
+        """After a step's reduction, give each tensor its averaged gradient.
+
+        Args:
+            pipeline: the step's pipeline (its sync holds a sharded step's segments).
+            tensors: the step's tensors, in the step's order.
+            grads: the averaged gradients (arrays; None where this rank had none).
+            outcome: the ranks' agreement on the step.
+            skipped: the step is skipped: every ``.grad`` becomes None.
+            shadow: a joined rank's shadow step (its own ``.grad`` was ignored).
+            views: with ``gradient_as_bucket_view``, each tensor's ``.grad``
+                view into its bucket; None without.
+        """
+        for i, (t, g, ok) in enumerate(zip(tensors, grads, outcome.present)):
+            if skipped or not ok:
+                t.grad = None
+            elif t.grad is None and views is not None:
+                t.grad = views[i]  # its slot (zeros here) holds the average of the other ranks
+            elif t.grad is None:
+                t.grad = as_tensor(g)
+            elif shadow:
+                t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
+
+    def after_step(self, applied: bool) -> None:
+        """After the inner optimizer's ``step()`` (``applied``: it was not skipped)."""
+
+    def swap_out(self) -> None:
+        """Before ``zero_grad``: the inner optimizer's parameter groups are its own (they always are here)."""
+
+    def wait(self, tensors: Sequence[Any] | None = None) -> None:
+        """Complete parameter communication still in flight after a step (none here)."""
+
+    def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
+        """``torch.nn.utils.clip_grad_norm_`` over ``params`` (their ``.grad`` is the average on every rank)."""
+        import torch
+
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)

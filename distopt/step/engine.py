@@ -47,7 +47,7 @@ from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..sharding.plan import ShardPlan
 from ..sharding.sync import BucketSync
 from .pipeline import BucketPipeline, Launcher
-from ..strategies.base import Strategy
+from ..strategies.base import GradientStrategy
 
 __all__ = ["Engine", "Outcome", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
 
@@ -136,7 +136,7 @@ class Engine:
         self.launch = Launcher(comm)
         self._specs: tuple[Any, ...] | None = None
         self._specs_digest: tuple[Any, int] = (None, 0)
-        self._layouts: dict[tuple[int, bool], _Layout] = {}
+        self._layouts: dict[tuple[int, bool, bool], _Layout] = {}
 
     # ------------------------------------------------------------ context
     @contextmanager
@@ -172,7 +172,7 @@ class Engine:
     def _not_finite(self, grads: Sequence[Any]) -> bool:
         return any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
 
-    def _agree(self, strategy: Strategy, params: list[Any], threshold: int, joined: bool,
+    def _agree(self, strategy: GradientStrategy, params: list[Any], threshold: int, joined: bool,
                grads: Sequence[Any] | None, groups: GroupSettings | None) -> tuple[_Layout, Outcome | None]:
         """The step header (see the module docs); returns the layout for this step, and the step's
         outcome when the header settled it."""
@@ -205,11 +205,11 @@ class Engine:
                              f"rank(s) {np.flatnonzero(everyone[:, 3]).tolist()} are inside join()")
         if everyone[:, 2].any():
             self.broadcast_params(params, full)
-        slot = (threshold, reverse)
+        slot = (threshold, reverse, strategy.reduces)
         if slot not in self._layouts:
             first = min(FIRST_BUCKET, self.buff_size) if reverse else None
             buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
-                                   reverse=reverse, first_bucket=first)
+                                   reverse=reverse, first_bucket=first) if strategy.reduces else []
             floats = [b for b in buckets if is_float(b.dtype)]
             shards = self.sync.plan(floats, self.comm.rank, self.comm.size)
             self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats, shards=shards)
@@ -222,7 +222,7 @@ class Engine:
         return self._layouts[slot], settled
 
     # ------------------------------------------------------------- the step
-    def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None,
+    def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None,
               joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
               bucket_view: bool = False, groups: GroupSettings | None = None) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
@@ -254,20 +254,6 @@ class Engine:
                                self.counters)
         return BucketPipeline(strategy, layout.buckets, buffers, layout.key, params, self.launch,
                               self.comm, self.counters, self.context, views, bucket_view, settled, sync)
-
-    def agree(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, joined: bool,
-              grads: Sequence[Any], active: bool = True, groups: GroupSettings | None = None) -> Outcome:
-        """The step header and, when it cannot settle the step, the gradient flags: the agreement of a
-        step that reduces no gradient buckets (a parameter averager's), for gradients already computed.
-
-        Raises:
-            CollectiveMismatchError: parameters or settings differ across ranks.
-            ValueError: a rank has joined and the strategy does not support ``join``.
-        """
-        params = list(params)
-        with self.context("parameter check"):
-            _, settled = self._agree(strategy, params, strategy.threshold(threshold), joined, grads, groups)
-        return self.agree_on_gradients(params, grads, active, settled)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place.

@@ -27,13 +27,13 @@ import numpy as np
 
 from ..core.buckets import is_float
 from ..core.counters import Counters
-from ..strategies.base import GradientStrategy, ParameterAverager, Strategy, UpdateContext
+from ..strategies.base import Strategy, UpdateContext
 from .accumulate import GradientAccumulator
 from .agreement import GroupSettings, group_settings
 from .engine import Engine, Outcome
 from .local import ArrayOptimizer, LocalOptimizer, checked_pairs
 from .pipeline import BucketPipeline
-from .strategy_set import StrategySet
+from .strategy_set import StrategySet, slots
 
 __all__ = ["StepRunner", "LastStep", "JoinResult"]
 
@@ -107,14 +107,16 @@ class StepRunner:
         self._groups = group_settings(self.local.hyper_parameters(), self._groups)
 
     # ------------------------------------------------- the step, in parts
-    def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None, *,
+    def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, *,
               views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False) -> BucketPipeline:
-        """Agree on the step with the other ranks and return its bucket pipeline (collective).
+        """Agree on the step with the other ranks and return the bucket pipeline of ``strategy``'s gradient
+        slot (collective; a parameter averager's has no buckets).
 
         See :meth:`~distopt.step.engine.Engine.begin` for the arguments.
         """
         self._prepare(strategy)
-        return self.engine.begin(strategy, params, threshold, self.joining, views, grads, bucket_view, self._groups)
+        return self.engine.begin(slots(strategy).gradients, params, threshold, self.joining, views, grads,
+                                 bucket_view, self._groups)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective).
@@ -136,11 +138,12 @@ class StepRunner:
             return
         self.counters.steps += 1
         self._memory()
-        if isinstance(strategy, ParameterAverager):
+        averager = slots(strategy).averager
+        if averager.averages:
             if strategy is not self.active_strategy:  # the PyTorch route: no step header prepared it
                 self._prepare(strategy)
             floats = [p for p in params if is_float(p)]
-            strategy.after_update(UpdateContext(floats, strategy.threshold(threshold), self.engine.comm,
+            averager.after_update(UpdateContext(floats, averager.threshold(threshold), self.engine.comm,
                                                 self.counters, self.local.momentum_arrays,
                                                 self.engine.average_arrays))
             self.counters.dense_bytes += sum(int(p.nbytes) for p in floats)
@@ -183,8 +186,7 @@ class StepRunner:
     def backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
         """An array loss: backward (buckets start during it with overlap), reduce, update."""
         local = self._arrays()
-        if (self.overlap and isinstance(strategy, GradientStrategy) and strategy.supports_overlap
-                and self.accumulator is None):
+        if self.overlap and slots(strategy).gradients.supports_overlap and self.accumulator is None:
             run = local.overlapped_backward(loss, lambda params: self.begin(strategy, params, threshold))
             if run is not None:
                 params, grads, pipeline = run
@@ -197,18 +199,13 @@ class StepRunner:
              pipeline: BucketPipeline | None = None, active: bool = True) -> int:
         """Reduce, update, finish the step; returns the number of active ranks (0: all joined)."""
         local = self._arrays()
-        if isinstance(strategy, ParameterAverager):
-            self._prepare(strategy)
-            outcome = self.engine.agree(strategy, params, threshold, self.joining, grads, active, self._groups)
-            if outcome.applies:
-                local.apply(params, grads, [g is not None and is_float(p) for p, g in zip(params, grads)])
-        else:
-            assert isinstance(strategy, GradientStrategy)
-            if pipeline is None:
-                pipeline = self.begin(strategy, params, threshold, grads=grads)
-            outcome = self.complete(pipeline, grads, active)
-            if outcome.applies and any(outcome.present):
-                pipeline.sync.apply(local, params, grads, outcome.present)
+        if pipeline is None:
+            pipeline = self.begin(strategy, params, threshold, grads=grads)
+        outcome = self.complete(pipeline, grads, active)
+        if outcome.applies and any(outcome.present):
+            reduced = slots(strategy).gradients.reduces  # else each rank updates with its own gradients
+            present = outcome.present if reduced else [g is not None and is_float(p) for p, g in zip(params, grads)]
+            pipeline.sync.apply(local, params, grads, present)
         self.finish_step(strategy, params, threshold, outcome.applies)
         return outcome.active
 
@@ -220,7 +217,7 @@ class StepRunner:
                 ``params`` and ``grads`` do not match.
         """
         strategy = self.strategy
-        if not isinstance(strategy, GradientStrategy):
+        if not slots(strategy).gradients.reduces:
             raise ValueError(f"average() needs a strategy that averages gradients, not {strategy.name!r}")
         params, grads = checked_pairs(params, grads)
         outcome = self.complete(self.begin(strategy, params, threshold, grads=grads), grads)

@@ -7,14 +7,43 @@ method not called yet since the restore) waits here until it does.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
-from ..strategies import Strategy
+from ..strategies import GradientStrategy, ParameterAverager, Strategy
+from ..strategies.stand_ins import LocalGradients, NoAveraging
 
-__all__ = ["StrategySet", "SECTIONS"]
+__all__ = ["StrategySet", "SECTIONS", "Slots", "slots"]
 
 #: ``state_dict`` sections: state identical on every rank, and state that differs per rank.
 SECTIONS = ("strategies", "rank_local")
+
+
+class Slots(NamedTuple):
+    """A step's two slots: the gradient strategy (per bucket) and the parameter averager (after the update).
+
+    The strategy fills the slot of its kind; the other holds a do-nothing
+    stand-in (:mod:`distopt.strategies.stand_ins`).
+    """
+
+    gradients: GradientStrategy
+    averager: ParameterAverager
+
+
+_NO_AVERAGING = NoAveraging()
+
+
+def slots(strategy: Strategy) -> Slots:
+    """``strategy`` in its slot, a stand-in in the other (stand-ins hold no state).
+
+    Raises:
+        TypeError: ``strategy`` is neither a gradient strategy nor a parameter averager.
+    """
+    if isinstance(strategy, GradientStrategy):
+        return Slots(strategy, _NO_AVERAGING)
+    if isinstance(strategy, ParameterAverager):
+        return Slots(LocalGradients(strategy), strategy)
+    raise TypeError(f"a strategy subclasses GradientStrategy or ParameterAverager; {type(strategy).__name__} "
+                    "subclasses neither")
 
 
 class StrategySet:

@@ -259,7 +259,14 @@ class GradientStrategy(Strategy):
     soon as a bucket is final, :meth:`finish` once the ranks agreed on the
     step, :meth:`abandon` for a skipped step, then :meth:`end_of_step` once
     per step, after every bucket.
+
+    Class attributes:
+        reduces: the strategy reduces buckets (False only for
+            :class:`~distopt.strategies.stand_ins.LocalGradients`, the
+            gradient slot of a parameter averager).
     """
+
+    reduces: ClassVar[bool] = True
 
     def start(self, ctx: BucketContext, flat: Any) -> Handle:
         """Start reducing bucket ``ctx.index`` held in ``flat`` (1-D, the bucket's dtype, ``ctx.bucket.size`` elements).
@@ -293,7 +300,15 @@ class GradientStrategy(Strategy):
 
 class ParameterAverager(Strategy):
     """A strategy that lets every rank update with its own gradient, then averages parameters
-    (:class:`~distopt.strategies.Partial`; periodic model averaging)."""
+    (:class:`~distopt.strategies.Partial`; periodic model averaging).
+
+    Class attributes:
+        averages: the strategy communicates after the update (False only for
+            :class:`~distopt.strategies.stand_ins.NoAveraging`, the averager
+            slot of a gradient strategy).
+    """
+
+    averages: ClassVar[bool] = True
 
     @abstractmethod
     def after_update(self, ctx: UpdateContext) -> None:

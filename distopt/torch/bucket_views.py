@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..step.pipeline import BucketPipeline
-from ..strategies.base import GradientStrategy, Strategy
+from ..step.strategy_set import slots
+from ..strategies.base import Strategy
 from .adapter import TorchOptimizer, as_array
 
 __all__ = ["BucketViews", "check_bucket_view"]
@@ -29,7 +30,7 @@ def check_bucket_view(local: Any, strategy: Strategy) -> None:
         raise ValueError("gradient_as_bucket_view=True needs a torch.optim.Optimizer (it makes param.grad a view "
                          f"into the bucket buffers); {type(local.opt).__name__} is an array optimizer: drop "
                          "gradient_as_bucket_view")
-    if not isinstance(strategy, GradientStrategy):
+    if not slots(strategy).gradients.reduces:
         raise ValueError(f"gradient_as_bucket_view=True needs a strategy that reduces gradient buckets in place "
                          f"(plain, half, sparse, dgc, powersgd), not {strategy.name!r}, which averages parameters "
                          "after the update")

@@ -67,7 +67,8 @@ from ..core.buckets import VIEW_THRESHOLD
 from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
-from ..strategies.base import GradientStrategy, ParameterAverager, Strategy
+from ..step.strategy_set import slots
+from ..strategies.base import Strategy
 from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .nested import inside_nested_backward
@@ -157,7 +158,7 @@ class Follower:
         nested = task in self._nested
         if not nested and task != self._task:
             nested = self._place(task)
-        if not isinstance(self._current(), GradientStrategy):
+        if not slots(self._current()).gradients.reduces:
             return
         if not self.sparse.on_grad(param):  # averaged as sparse at the end of backward
             return
@@ -209,12 +210,13 @@ class Follower:
         self._strategy, self._threshold = self._request or (self.runner.strategy, None)
         strategy = self._strategy
         wanted = self.no_sync_depth == 0 and getattr(self.model, "require_backward_grad_sync", True)
-        self._syncing = isinstance(strategy, GradientStrategy) and wanted and self.passes + 1 >= self.k
-        if not isinstance(strategy, GradientStrategy):
+        gradients = slots(strategy).gradients
+        self._syncing = gradients.reduces and wanted and self.passes + 1 >= self.k
+        if not gradients.reduces:
             return  # a parameter averager: nothing to reduce in backward
         if task is not None:
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self._syncing and self.runner.overlap and strategy.supports_overlap:
+        if self._syncing and self.runner.overlap and gradients.supports_overlap:
             self._pipeline = self._begin()
 
     def _end_of_backward(self) -> None:
@@ -231,7 +233,6 @@ class Follower:
         rank's, all None). Nothing is reduced in place here: ``VIEW_THRESHOLD`` fuses up to ``buffSize``."""
         self.drain()
         strategy = self._current()
-        assert isinstance(strategy, GradientStrategy)
         self._tensors = self.sparse.layout(self._owned())  # sparse tensors are averaged on their own
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
         fused = self._threshold is None and strategy.default_threshold == VIEW_THRESHOLD
@@ -286,7 +287,7 @@ class Follower:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         self._finish_awaited()
         self.drain(outside_backward=True)
-        if not isinstance(self._current(), GradientStrategy) or self.skip_depth:
+        if not slots(self._current()).gradients.reduces or self.skip_depth:
             return
         if self._pending or (not self._reduced and any(t.grad is not None for t in self._owned())):
             self.reduce()
@@ -294,7 +295,7 @@ class Follower:
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         strategy = self._current()
         self.sink.after_step(applied=not self._skipped)
-        params = self.local.arrays() if isinstance(strategy, ParameterAverager) else []
+        params = self.local.arrays() if slots(strategy).averager.averages else []
         self.runner.finish_step(strategy, params, self._threshold, applied=not self._skipped)
         self._reduced = self._skipped = False
         self._strategy = self._threshold = None
@@ -363,7 +364,7 @@ class Follower:
         ``backward_passes_per_step``) now; a no-op when ``.grad`` holds the average already (collective)."""
         self._finish_awaited()
         self.drain(outside_backward=True)
-        if self._pending and isinstance(self._current(), GradientStrategy):
+        if self._pending and slots(self._current()).gradients.reduces:
             self.reduce()
 
     @contextmanager

@@ -61,8 +61,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from ..core.buckets import VIEW_THRESHOLD
 from ..step.engine import Outcome
 from ..step.pipeline import BucketPipeline
@@ -71,10 +69,12 @@ from ..step.strategy_set import slots
 from ..strategies.base import Strategy
 from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
+from .closure import averaged_closure
 from .nested import inside_nested_backward
 from .owners import claim, release
 from .sink import GradientSink
 from .sparse import SparseGrads
+from .step_record import BackwardRecord, Phase, StepRecord
 
 __all__ = ["Follower"]
 
@@ -116,17 +116,11 @@ class Follower:
         self.views, self.model = BucketViews() if bucket_view else None, model
         self.passes = self.no_sync_depth = self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
-        self._strategy: Strategy | None = None  # the strategy and threshold of this step's backward
-        self._threshold: int | None = None
-        self._task: int | None = None  # the graph task of the backward being followed
-        self._nested: set[int] = set()  # graph tasks run from inside it (reentrant checkpointing)
-        self._await_outer = False  # the backward began in a nested task; its enclosing one is not known yet
-        self._syncing = False
-        self._pipeline: BucketPipeline | None = None
+        self.record = StepRecord()
+        self.backward = BackwardRecord()
         self._stale: BucketPipeline | None = None
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
-        self._pending = self._reduced = self._skipped = False
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
@@ -147,7 +141,7 @@ class Follower:
         release(self.local.params(), self)
 
     def _current(self) -> Strategy:
-        return self.runner.strategy if self._strategy is None else self._strategy
+        return self.runner.strategy if self.record.strategy is None else self.record.strategy
 
     # ------------------------------------------------------------ backward
     def on_grad(self, param: Any) -> None:
@@ -155,19 +149,20 @@ class Follower:
         import torch
 
         task = torch._C._current_graph_task_id()
-        nested = task in self._nested
-        if not nested and task != self._task:
+        nested = task in self.backward.nested
+        if not nested and task != self.backward.task:
             nested = self._place(task)
         if not slots(self._current()).gradients.reduces:
             return
         if not self.sparse.on_grad(param):  # averaged as sparse at the end of backward
             return
-        if self._pipeline is not None and not nested:  # a nested backward's gradient is packed at the end
+        pipeline = self.record.pipeline
+        if pipeline is not None and not nested:  # a nested backward's gradient is packed at the end
             index = self._index_of.get(id(param))
             if index is not None:
                 if self.views is not None:
                     self.views.adopt(param, index)
-                self._pipeline.ready(index, as_array(param.grad))
+                pipeline.ready(index, as_array(param.grad))
 
     def _place(self, task: int) -> bool:
         """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a
@@ -175,15 +170,16 @@ class Follower:
 
         Graph task ids grow: the backward that encloses nested ones has a smaller id than they do.
         """
+        backward = self.backward
         if inside_nested_backward():
-            if self._task is None and not self._await_outer:  # the backward starts in a nested one
+            if backward.task is None and not backward.await_outer:  # the backward starts in a nested one
                 self._new_backward(None)
-                self._await_outer = True
-            self._nested.add(task)
+                self.backward.await_outer = True
+            self.backward.nested.add(task)
             return True
-        if self._await_outer and task < min(self._nested):  # the enclosing backward, reached at last
-            self._await_outer = False
-            self._task = task
+        if backward.await_outer and task < min(backward.nested):  # the enclosing backward, reached at last
+            backward.await_outer = False
+            backward.task = task
             from torch.autograd import Variable
 
             Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -194,8 +190,8 @@ class Follower:
 
     def _finish_awaited(self) -> None:
         """End a backward whose enclosing graph task showed no hook of its own (all in checkpoints)."""
-        if self._await_outer:
-            self._await_outer = False
+        if self.backward.await_outer:
+            self.backward.await_outer = False
             self._end_of_backward()
 
     def _new_backward(self, task: int | None) -> None:
@@ -203,30 +199,30 @@ class Follower:
         (on graph task ``task``; None: the enclosing task is not known yet)."""
         from torch.autograd import Variable
 
-        self._task = task
-        if self._pipeline is not None:  # the previous backward raised before its end
-            self._stale, self._pipeline = self._pipeline, None
+        self.backward = BackwardRecord(task)
+        record = self.record
+        if record.pipeline is not None:  # the previous backward raised before its end
+            self._stale, record.pipeline = record.pipeline, None
             self.drain()  # before this backward reuses gradient memory (bucket views) or communicates
-        self._strategy, self._threshold = self._request or (self.runner.strategy, None)
-        strategy = self._strategy
+        record.strategy, record.threshold = self._request or (self.runner.strategy, None)
+        strategy = record.strategy
         wanted = self.no_sync_depth == 0 and getattr(self.model, "require_backward_grad_sync", True)
         gradients = slots(strategy).gradients
-        self._syncing = gradients.reduces and wanted and self.passes + 1 >= self.k
+        self.backward.syncing = gradients.reduces and wanted and self.passes + 1 >= self.k
         if not gradients.reduces:
             return  # a parameter averager: nothing to reduce in backward
         if task is not None:
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self._syncing and self.runner.overlap and gradients.supports_overlap:
-            self._pipeline = self._begin()
+        if self.backward.syncing and self.runner.overlap and gradients.supports_overlap:
+            record.pipeline = self._begin()
 
     def _end_of_backward(self) -> None:
-        self._task = None
-        self._nested.clear()
-        if self._syncing:
+        syncing, self.backward = self.backward.syncing, BackwardRecord()
+        if syncing:
             self.reduce()
         else:
             self.passes += 1
-            self._pending = True
+            self.record.phase = Phase.ACCUMULATED
 
     def _begin(self, shadow: bool | None = None) -> BucketPipeline:
         """A step's header and pipeline; after backward the header carries the gradients (``shadow``: a joined
@@ -235,8 +231,8 @@ class Follower:
         strategy = self._current()
         self._tensors = self.sparse.layout(self._owned())  # sparse tensors are averaged on their own
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
-        fused = self._threshold is None and strategy.default_threshold == VIEW_THRESHOLD
-        threshold = self.runner.engine.buff_size if fused else self._threshold
+        fused = self.record.threshold is None and strategy.default_threshold == VIEW_THRESHOLD
+        threshold = self.runner.engine.buff_size if fused else self.record.threshold
         grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
         pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], threshold,
                                      views=False, bucket_view=self.views is not None, grads=grads)
@@ -252,8 +248,8 @@ class Follower:
                 ``zero_grad``): a pipeline still held belongs to a backward
                 that raised.
         """
-        if outside_backward and self._pipeline is not None:
-            self._stale, self._pipeline = self._pipeline, None
+        if outside_backward and self.record.pipeline is not None:
+            self._stale, self.record.pipeline = self.record.pipeline, None
         stale, self._stale = self._stale, None
         if stale is not None:
             stale.abandon()
@@ -268,18 +264,19 @@ class Follower:
             shadow: a joined rank's shadow step: it contributes zeros (its
                 own ``.grad`` is ignored) and receives the others' average.
         """
-        pipeline, self._pipeline = self._pipeline, None
+        pipeline, self.record.pipeline = self.record.pipeline, None
         if pipeline is None:
             pipeline = self._begin(shadow)
         for i, t in enumerate(self._tensors if self.views is not None else ()):
             self.views.adopt(t, i)
         grads = [None if shadow else self.sparse.array(t) for t in self._tensors]
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
-        self.passes, self._pending, self._reduced = 0, False, True
-        self._skipped = self.sparse.reduce(outcome, shadow) or not outcome.applies
-        self.sink.adopt(pipeline, self._tensors, grads, outcome, self._skipped, shadow,
+        self.passes = 0
+        skipped = self.sparse.reduce(outcome, shadow) or not outcome.applies
+        self.record.phase = Phase.SKIPPED if skipped else Phase.REDUCED
+        self.sink.adopt(pipeline, self._tensors, grads, outcome, skipped, shadow,
                         None if self.views is None else self.views.views)
-        self.sparse.give_back(self._tensors, self._skipped)
+        self.sparse.give_back(self._tensors, skipped)
         self.local.hook(self._tensors, self.on_grad)
         return outcome
 
@@ -289,16 +286,17 @@ class Follower:
         self.drain(outside_backward=True)
         if not slots(self._current()).gradients.reduces or self.skip_depth:
             return
-        if self._pending or (not self._reduced and any(t.grad is not None for t in self._owned())):
+        phase = self.record.phase
+        if phase is Phase.ACCUMULATED or (phase is Phase.IDLE and any(t.grad is not None for t in self._owned())):
             self.reduce()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         strategy = self._current()
-        self.sink.after_step(applied=not self._skipped)
+        applied = self.record.phase is not Phase.SKIPPED
+        self.sink.after_step(applied)
         params = self.local.arrays() if slots(strategy).averager.averages else []
-        self.runner.finish_step(strategy, params, self._threshold, applied=not self._skipped)
-        self._reduced = self._skipped = False
-        self._strategy = self._threshold = None
+        self.runner.finish_step(strategy, params, self.record.threshold, applied)
+        self.record.clear()
         self.local.hook(self.local.params(), self.on_grad)
 
     def backward_and_step(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
@@ -313,35 +311,13 @@ class Follower:
             self.local.optimizer.step()
 
     def step(self, closure: Callable[[], Any] | None) -> Any:
-        """``optimizer.step(closure)``, torch's closure contract, for every optimizer (L-BFGS included).
-
-        The gradients of every closure evaluation are averaged by its
-        backward; the loss the closure returns is averaged over the ranks
-        too (one small all-reduce per evaluation), so an optimizer that
-        decides on the loss (L-BFGS's line search) evaluates the closure
-        the same number of times on every rank. Returns the averaged loss
-        (a detached tensor of the closure's dtype), or None without a closure.
-        """
+        """``optimizer.step(closure)`` (:mod:`distopt.torch.closure`); returns the averaged loss, or None
+        without a closure."""
         if closure is None:
             return self.local.optimizer.step()
-        self._reduced = True  # gradients left from before are not this step's: the closure makes new ones
-
-        def averaged() -> Any:
-            import torch
-
-            with torch.enable_grad():
-                loss = closure()
-            return self._average_loss(loss)
-
-        return self.local.optimizer.step(averaged)
-
-    def _average_loss(self, loss: Any) -> Any:
-        import torch
-
-        value = np.array([float(loss.detach() if isinstance(loss, torch.Tensor) else loss)], dtype=np.float64)
-        self.runner.engine.comm.all_reduce(value, op="sum")
-        mean = value[0] / self.runner.engine.comm.size
-        return torch.tensor(mean, dtype=loss.dtype) if isinstance(loss, torch.Tensor) else mean
+        if self.record.phase is not Phase.ACCUMULATED:  # gradients left from before are not this step's
+            self.record.phase = Phase.REDUCED
+        return self.local.optimizer.step(averaged_closure(closure, self.runner.engine.comm))
 
     def shadow(self) -> int:
         """One shadow step of a joined rank (collective); returns the active ranks (0: all joined)."""
@@ -350,7 +326,7 @@ class Follower:
         if outcome.applies:
             self.local.optimizer.step()  # the pre-hook finds the step reduced; the post-hook finishes it
         else:
-            self._reduced = self._skipped = False
+            self.record.phase = Phase.IDLE
         return outcome.active
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -364,7 +340,7 @@ class Follower:
         ``backward_passes_per_step``) now; a no-op when ``.grad`` holds the average already (collective)."""
         self._finish_awaited()
         self.drain(outside_backward=True)
-        if self._pending and slots(self._current()).gradients.reduces:
+        if self.record.phase is Phase.ACCUMULATED and slots(self._current()).gradients.reduces:
             self.reduce()
 
     @contextmanager

@@ -6,7 +6,7 @@
 
 ``python -m pytest -q -m unit`` runs the fast tier alone. A test with no
 tier marker, or with more than one, fails the collection, naming it. The
-inner suites under ``tests/mpi/`` are exempt: each runs inside one ``world``
+inner suites under ``tests/support/mpi/`` are exempt: each runs inside one ``world``
 test, under ``mpiexec``.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ TIERS = ("unit", "world", "job")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
     wrong = []
-    inner = Path(__file__).resolve().parent / "mpi"
+    inner = Path(__file__).resolve().parent / "support" / "mpi"
     for item in items:
         if inner in Path(item.path).resolve().parents:
             continue

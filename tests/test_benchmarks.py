@@ -3,7 +3,7 @@
 Each script runs with its smallest settings (seconds) and must exit 0 and
 write JSON with the expected keys; the numbers themselves are not checked
 (beyond the all-reduce's own correctness count). The MPI ones run under
-``mpiexec -n 2`` through :func:`tests.harness.run_job`.
+``mpiexec -n 2`` through :func:`tests.support.harness.run_job`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, run_job
+from tests.support.harness import ROOT, run_job
 
 BENCH = ROOT / "benchmarks"
 HAVE_TORCH = importlib.util.find_spec("torch") is not None

@@ -6,7 +6,7 @@ Each fenced block in ``docs/**/*.md`` may be preceded by a marker comment,
 * a ``python`` block without a marker, or marked ``run``, runs as a script
   in a subprocess (its own temporary directory as the working directory);
 * ``mpi``: a block meant for several ranks, run under ``mpiexec -n 2``. All
-  such blocks run in ONE job (``tests/docs_snippets/run_blocks.py``), one
+  such blocks run in ONE job (``tests/support/docs_snippets/run_blocks.py``), one
   after the other, each from a fresh namespace;
 * ``gpu``: needs CuPy and a CUDA device; run under ``mpiexec -n 1`` where
   they exist, skipped elsewhere;
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, mpiexec, run_job
+from tests.support.harness import ROOT, mpiexec, run_job
 
 DOCS = ROOT / "docs"
-RUNNER = ROOT / "tests" / "docs_snippets" / "run_blocks.py"
+RUNNER = ROOT / "tests" / "support" / "docs_snippets" / "run_blocks.py"
 FASHION_DIR = os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
 IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
              "t10k-labels-idx1-ubyte")
@@ -488,7 +488,7 @@ def check_distopt_launch(block: Block, tmp_path: Path) -> None:
 
 
 def check_torchrun(block: Block, tmp_path: Path) -> None:
-    """torchrun's own parser takes the flags, and the script's parser its arguments (runs: tests/test_world.py)."""
+    """torchrun's own parser takes the flags, and the script's parser its arguments (runs: tests/launch/test_world.py)."""
     run = pytest.importorskip("torch.distributed.run")
     for argv in _commands(block):
         assert argv[0] == "torchrun", argv
@@ -713,16 +713,20 @@ def test_mkdocs_build_strict(site: Path):
     assert (site / "index.html").is_file() and (site / "reference" / "opt" / "index.html").is_file()
 
 
+#: The NCCL backend's modules, which need CuPy to import (their ``__all__`` is read from the source).
+CUPY_MODULES = ("distopt.comm.nccl", "distopt.comm.nccl_shards", "distopt.comm.nccl_types")
+
+
 def _public_modules() -> list[str]:
-    """Every module of distopt/ that declares ``__all__`` (private ``_x`` modules and the NCCL backend,
-    which needs CuPy to import, aside)."""
+    """Every module of distopt/ that declares ``__all__`` (private ``_x`` modules and the NCCL backend's,
+    which need CuPy to import, aside)."""
     out = []
     for path in sorted((ROOT / "distopt").rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         name = ".".join(parts)
-        if any(p.startswith("_") for p in parts) or name in ("distopt.comm.nccl", "distopt.launch.__main__"):
+        if any(p.startswith("_") for p in parts) or name in (*CUPY_MODULES, "distopt.launch.__main__"):
             continue
         if "__all__" in path.read_text():
             out.append(name)
@@ -748,9 +752,10 @@ def test_reference_covers_public_names(site: Path):
                 candidates.add(f"{obj.__module__}.{obj.__qualname__}")
             if not candidates & anchors:
                 missing.append(f"{module_name}.{name}")
-    nccl = ast.parse((ROOT / "distopt" / "comm" / "nccl.py").read_text())  # not importable without CuPy
-    for node in nccl.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-            missing += [f"distopt.comm.nccl.{n.value}" for n in node.value.elts
-                        if f"distopt.comm.nccl.{n.value}" not in anchors]
+    for module_name in CUPY_MODULES:  # not importable without CuPy
+        tree = ast.parse((ROOT / Path(*module_name.split("."))).with_suffix(".py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                missing += [f"{module_name}.{n.value}" for n in node.value.elts
+                            if f"{module_name}.{n.value}" not in anchors]
     assert not missing, f"public names missing from the API reference: {missing}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import ROOT, run_job
+from tests.support.harness import ROOT, run_job
 
 sys.path.insert(0, str(ROOT / "examples"))
 import fashion_mnist  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from tests.support.harness import ROOT
 
 NETSIM = ROOT / "benchmarks" / "netsim.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))

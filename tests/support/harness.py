@@ -1,0 +1,110 @@
+"""Run a pytest suite under ``mpiexec -n N`` with a hard wall-clock limit.
+
+Each rank runs the same inner pytest file (``tests/support/mpi/mpi_*.py``); the inner
+plugin (``tests/support/mpi/conftest.py``) writes, per rank, the test it is in and
+``done`` when the session ends. If the job overruns, every process is killed
+and the failure names the ranks that did not finish and the test each was
+stuck in. Collectives inside use a short ``DISTOPT_TIMEOUT`` so a desync
+turns into an error long before the outer limit.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MPI_DIR = Path(__file__).resolve().parent / "mpi"
+
+
+def mpiexec() -> str:
+    """Path of the ``mpiexec`` next to this Python (pip's mpich), else on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("mpiexec not found: pip install 'distopt[mpich]' or install an MPI runtime")
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def launcher_flags() -> tuple[str, ...]:
+    """``-l`` (rank-prefixed lines) for MPICH's Hydra; Open MPI (e.g. on a GPU machine) takes other flags."""
+    version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        return ("--allow-run-as-root", "--oversubscribe")  # no rank prefixes: only exit codes are checked there
+    return ("-l",)
+
+
+def _stall_report(progress: Path, n: int) -> str:
+    lines = []
+    for r in range(n):
+        f = progress / f"rank{r}"
+        state = f.read_text().strip() if f.exists() else "never started"
+        if state != "done":
+            lines.append(f"rank {r} stalled in: {state}")
+    return "\n".join(lines) or "all ranks reported done, but mpiexec did not exit"
+
+
+def run_job(argv: list[str], n: int, timeout: float, *, collective_timeout: float = 20.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n <argv>`` and return the finished process.
+
+    Raises:
+        AssertionError: the job overran ``timeout`` seconds; the message names
+            the stalled ranks and carries the output tail.
+    """
+    progress = Path(tempfile.mkdtemp(prefix="distopt-progress-"))
+    full_env = dict(os.environ)
+    full_env.update({
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+        "DISTOPT_TEST_PROGRESS": str(progress),
+        "DISTOPT_TIMEOUT": str(collective_timeout),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    full_env.update(env or {})
+    cmd = [mpiexec(), *launcher_flags(), "-n", str(n), *argv]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        report = _stall_report(progress, n)
+        raise AssertionError(
+            f"mpiexec -n {n} {' '.join(argv)} overran {timeout:.0f} s\n{report}\n--- output tail ---\n{out[-6000:]}"
+        ) from None
+    finally:
+        shutil.rmtree(progress, ignore_errors=True)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def rank_streams(out: str) -> dict[int, str]:
+    """Demultiplex ``mpiexec -l`` output into one text per rank.
+
+    Hydra labels every chunk it forwards (and every line inside a chunk) with
+    ``[R] ``, and chunks of different ranks interleave, even inside one
+    line of a traceback; text between two labels belongs to the first.
+    """
+    parts = re.split(r"\[(\d+)\] ", out)
+    streams: dict[int, list[str]] = {}
+    for rank, text in zip(parts[1::2], parts[2::2]):
+        streams.setdefault(int(rank), []).append(text)
+    return {r: "".join(chunks) for r, chunks in streams.items()}
+
+
+def run_mpi_suite(suite: str, n: int, timeout: float = 240.0, **kwargs) -> None:
+    """Run ``tests/support/mpi/<suite>`` under ``mpiexec -n n``; fail with its output if any rank fails."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            "-o", "python_files=mpi_*.py", str(MPI_DIR / suite)]
+    res = run_job(argv, n, timeout, **kwargs)
+    assert res.returncode == 0, f"{suite} failed at -n {n} (exit {res.returncode}):\n{res.stdout[-8000:]}"

@@ -3,11 +3,13 @@
 Every function here takes the communicator first and is what both the
 blocking and the asynchronous forms of ``DistOpt.all_reduce`` and its
 siblings run (see :class:`~distopt.collectives.Collectives`). Each call first
-agrees on its arguments: one small all-gather of ``(argument error?,
-digest of the shape/dtype/arguments, first dimension)`` per rank. A bad
-argument on one rank, or a shape, dtype or argument that differs, then
-raises the same exception on every rank (after one more all-gather of the
-full descriptions, for the message), and no data moves.
+agrees on its arguments (:func:`~distopt.comm.consensus.agree`): one small
+all-gather of ``(argument error?, digest of the collective, shape, dtype and
+arguments, first dimension)`` per rank. A bad argument on one rank
+(``"<call> on rank <r>: <error>"``), or a collective, shape, dtype or
+argument that differs (``"<call>: <field> differs across ranks (rank 0:
+<value>, ...)"``), then raises the same exception on every rank (after one
+more all-gather of the full descriptions, for the message), and no data moves.
 
 Arrays: NumPy, CuPy (the NCCL backend), or torch tensors (viewed as NumPy
 or CuPy without a copy, results returned as tensors of the input's dtype and
@@ -20,10 +22,8 @@ from typing import Any
 import numpy as np
 
 from .comm.base import Communicator, check_reduce_args
+from .comm.consensus import agree
 from .core._array import xp_of
-from .errors import CollectiveMismatchError
-from .metrics import all_gather_object
-from .step.agreement import digest
 
 __all__ = ["all_reduce", "broadcast", "all_gather", "all_gather_rows", "reduce_scatter", "all_to_all"]
 
@@ -155,41 +155,20 @@ def _check(comm: Communicator, call: str, view: Any, args: dict[str, Any]) -> No
 
 def _agreed(comm: Communicator, call: str, array: Any, **args: Any) -> tuple[Any, list[int]]:
     """The array view of ``array`` and every rank's first dimension, once every rank has checked its
-    arguments and they match (all_gather: beyond the first dimension)."""
-    view, problem = None, ""
+    arguments and they match (all_gather: beyond the first dimension); see the module docs."""
+    view, problem = None, None
     try:
         view = _view(array)
         _check(comm, call, view, args)
     except (TypeError, ValueError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    shape = [int(n) for n in getattr(array, "shape", ())]
-    key = shape[1:] if call == "all_gather" else shape
+        problem = exc
+    shape = tuple(int(n) for n in getattr(array, "shape", ()))
     plain = {k: int(v) if isinstance(v, np.integer) else v for k, v in args.items()}
-    mine = [problem, key, str(getattr(array, "dtype", "")), plain, shape, call]
-    header = np.array([int(bool(problem)), digest(mine[1:4] + [call]), shape[0] if shape else 0], dtype=np.int64)
-    everyone = comm.all_gather(header)
-    if everyone[:, 0].any() or (everyone[:, 1] != everyone[0, 1]).any():
-        _raise_everywhere(call, all_gather_object(comm, mine))
-    return view, [int(n) for n in everyone[:, 2]]
-
-
-def _raise_everywhere(call: str, everyone: list[list[Any]]) -> None:
-    """Raise, on every rank alike, the first rank's argument error, else the first difference."""
-    for rank, (problem, *_rest) in enumerate(everyone):
-        if problem:
-            kind, _, text = problem.partition(": ")
-            raise (TypeError if kind == "TypeError" else ValueError)(f"{call} on rank {rank}: {text}")
-    for rank, other in enumerate(everyone):
-        if other[5] != call:
-            raise CollectiveMismatchError(f"{call}: rank {rank} called {other[5]} at the same point (the ranks "
-                                          "must call the same collectives in the same order)")
-    names = ("shape beyond the first dimension" if call == "all_gather" else "shape", "dtype", "arguments")
-    for rank, other in enumerate(everyone[1:], start=1):
-        for name, a, b in zip(names, everyone[0][1:4], other[1:4]):
-            if a != b:
-                if name.startswith("shape"):
-                    a, b = tuple(everyone[0][4]), tuple(other[4])
-                verb = "differ" if name == "arguments" else "differs"
-                raise CollectiveMismatchError(f"{call}: {name} {verb} across ranks: rank 0 has {a}, "
-                                              f"rank {rank} has {b}")
-    raise CollectiveMismatchError(f"{call}: the ranks' arguments differ (digest collision?)")
+    gather = call == "all_gather"
+    shape_field = "shape beyond the first dimension" if gather else "shape"
+    fields = {"collective": call, shape_field: shape[1:] if gather else shape,
+              "dtype": str(getattr(array, "dtype", "")), "arguments": plain}
+    firsts = agree(comm, fields, call=call, problem=problem, kinds=(ValueError, TypeError),
+                   shown={shape_field: shape}, extra=[shape[0] if shape else 0],
+                   hint={"collective": "the ranks must call the same collectives in the same order"})
+    return view, [int(n) for n in firsts[:, 0]]

@@ -18,16 +18,16 @@ are stored as numbers and come back as NumPy scalars; any other value the
 safe loaders would refuse makes ``save`` fail before a file is written.
 
 Errors are the job's, not one rank's: ``save`` and ``load`` each end with one
-small all-gather of every rank's error (if any), and then every rank raises
-the same error, naming the rank that failed (a damaged residual file is
-read by its rank only). A file is called "truncated or corrupt" only when
+small all-gather of every rank's error flag (then, if any rank failed, of
+the errors), and then every rank raises the same error, naming the ranks
+that failed (``"load on rank 1: checkpoint ... is truncated or corrupt"``; a
+damaged residual file is read by its rank only). A file is called "truncated or corrupt" only when
 its structure says so (a zip archive that is cut short or fails its CRC
 check, a pickle stream that ends early or has unknown opcodes); an intact
 file that cannot be loaded is reported with the loader's own error.
 """
 from __future__ import annotations
 
-import builtins
 import io
 import logging
 import os
@@ -38,8 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from .comm.base import Communicator
-from .metrics import all_gather_object
+from .comm.consensus import agree
 from .portable import HAVE_TORCH, from_portable, to_portable
 
 __all__ = ["save", "load", "CHECKPOINT_FORMAT"]
@@ -120,27 +119,11 @@ def _damage(raw: bytes, zipped: bool) -> str | None:
     return None if stop == len(raw) - 1 else f"{len(raw) - stop - 1} bytes after the end of the pickle stream"
 
 
-def _raise_everywhere(comm: Communicator, error: Exception | None) -> None:
-    """One all-gather of every rank's error; if any rank failed, raise the same error on every rank.
-
-    Args:
-        comm: the communicator (collective: every rank calls it).
-        error: this rank's error, or None.
-
-    Raises:
-        OSError: the first failing rank's error is a builtin OSError (of the
-            same class: FileNotFoundError, IsADirectoryError, ...).
-        TypeError: the first failing rank's error is a TypeError.
-        ValueError: any other error. Each message lists every failing
-            rank's error, as ``rank R: ErrorClass: message``.
-    """
-    mine = None if error is None else (type(error).__name__, str(error))
-    failed = [(rank, report) for rank, report in enumerate(all_gather_object(comm, mine)) if report is not None]
-    if failed:
-        kind = getattr(builtins, failed[0][1][0], None)
-        if not (isinstance(kind, type) and issubclass(kind, OSError)) and kind is not TypeError:
-            kind = ValueError
-        raise kind("; ".join(f"rank {rank}: {name}: {text}" for rank, (name, text) in failed)) from error
+#: What a rank's error is raised as on every rank (:func:`~distopt.comm.consensus.agree`): its own class
+#: when a builtin OSError (FileNotFoundError, IsADirectoryError, ...) or a TypeError, else ValueError.
+#: The message lists every failing rank: ``"<save|load> on rank R: message; on rank S: ErrorClass: message"``
+#: (the class named where it is not the one raised).
+_RAISED_AS = (ValueError, OSError, TypeError)
 
 
 def _write_atomically(path: Path, payload: Any) -> None:
@@ -204,7 +187,7 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
                        "model": to_portable(model_state, "model_state"), "opt": state}
         except TypeError as exc:
             error = exc
-    _raise_everywhere(opt.comm, error)
+    agree(opt.comm, {}, call="save", problem=error, kinds=_RAISED_AS)
     rpath = _residual_path(path, opt.rank_in_global)
     try:
         if wrote:
@@ -215,7 +198,8 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
             rpath.unlink(missing_ok=True)
     except OSError as exc:
         error = exc
-    _raise_everywhere(opt.comm, error)  # also the barrier: every file is complete when it returns
+    # also the barrier: every file is complete when it returns
+    agree(opt.comm, {}, call="save", problem=error, kinds=_RAISED_AS)
     return wrote
 
 
@@ -249,7 +233,7 @@ def load(path: str | os.PathLike, opt: Any, map_location: Any = "cpu") -> Any:
         model = _restore(path, opt, map_location)
     except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
         error = exc
-    _raise_everywhere(opt.comm, error)
+    agree(opt.comm, {}, call="load", problem=error, kinds=_RAISED_AS)
     return model
 
 

@@ -1,15 +1,13 @@
 """Cross-rank metric aggregation through buffer collectives."""
 from __future__ import annotations
 
-import json
 import pickle
-import zlib
 from typing import Any, Mapping
 
 import numpy as np
 
 from .comm.base import Communicator
-from .errors import CollectiveMismatchError
+from .comm.consensus import agree, gather_objects
 
 __all__ = ["reduce_metrics", "broadcast_object", "all_gather_object"]
 
@@ -35,25 +33,20 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
         arrays: the sum, or the mean for names in ``mean``.
 
     Raises:
-        KeyError: on every rank, a name in ``mean`` is not in ``metrics`` on some rank.
-        CollectiveMismatchError: on every rank, ranks passed different names, shapes or ``mean``
-            (one small all-gather of a digest compares them first).
+        KeyError: on every rank, a name in ``mean`` is not in ``metrics`` on some rank (naming the
+            ranks and the names).
+        CollectiveMismatchError: on every rank, ranks passed different names, shapes or ``mean``,
+            naming every rank's ``{name: shape}`` or ``mean`` (one small all-gather of a digest
+            compares them first: :func:`~distopt.comm.consensus.agree`).
     """
     keys = sorted(metrics)
     values = [_host(metrics[k]) for k in keys]
     sizes = [v.size for v in values]
     missing = [name for name in mean if name not in metrics]
-    mine = [keys, [list(v.shape) for v in values], sorted(mean), missing]
-    everyone = _agree_on(comm, mine, bool(missing))
-    if everyone is not None:
-        for r, (names, _, _, lost) in enumerate(everyone):
-            if lost:
-                raise KeyError(f"all_reduce_metrics on rank {r}: mean names {lost[0]!r}, which is not among the "
-                               f"metrics {names}")
-        listing = "; ".join(f"rank {r}: {dict(zip(n, map(tuple, sh)))} mean={m}" for r, (n, sh, m, _) in
-                            enumerate(everyone))
-        raise CollectiveMismatchError(f"all_reduce_metrics: the ranks passed different metric names, shapes or "
-                                      f"mean ({listing})")
+    problem = None if not missing else KeyError(f"mean names {missing[0]!r}, which is not among the metrics {keys}")
+    agree(comm, {"metric set": {k: tuple(v.shape) for k, v in zip(keys, values)}, "mean": sorted(mean)},
+          call="all_reduce_metrics", problem=problem, kinds=(KeyError,),
+          hint={"metric set": "every rank must pass the same metric names, each with the same shape"})
     buf = np.concatenate([v.reshape(-1) for v in values]) if values else np.zeros(0)
     comm.all_reduce(buf, op="sum")
     out: dict[str, Any] = {}
@@ -76,8 +69,7 @@ def _host(value: Any) -> np.ndarray:
 
 def all_gather_object(comm: Communicator, obj: Any) -> list[Any]:
     """Every rank's picklable ``obj`` in rank order, on every rank (one variable-length all-gather)."""
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
-    return [pickle.loads(part.tobytes()) for part in comm.all_gather_v(payload)]
+    return gather_objects(comm, obj)
 
 
 def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:
@@ -89,14 +81,12 @@ def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:
     config, an early-stopping decision.
 
     Raises:
-        CollectiveMismatchError: on every rank, the ranks passed different roots (one small all-gather
-            compares them first).
+        CollectiveMismatchError: on every rank, the ranks passed different roots, naming every rank's
+            (one small all-gather compares them first: :func:`~distopt.comm.consensus.agree`).
         ValueError: on every rank, ``root`` is not an int in ``[0, size)``.
     """
-    everyone = _agree_on(comm, [root if isinstance(root, int) and not isinstance(root, bool) else repr(root)])
-    if everyone is not None:
-        roots = [e[0] for e in everyone]
-        raise CollectiveMismatchError(f"broadcast_object: the ranks passed different roots ({roots})")
+    agree(comm, {"root": root if isinstance(root, int) and not isinstance(root, bool) else repr(root)},
+          call="broadcast_object")
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < comm.size:
         raise ValueError(f"broadcast_object: root must be an int in [0, {comm.size}), got {root!r} (on every rank)")
     payload = pickle.dumps(obj) if comm.rank == root else b""
@@ -106,12 +96,3 @@ def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:
     comm.broadcast(buf, root=root)
     return obj if comm.rank == root else pickle.loads(buf.tobytes())
 
-
-def _agree_on(comm: Communicator, description: list[Any], problem: bool = False) -> list[Any] | None:
-    """None when every rank passed the same JSON-able ``description`` and no rank has a ``problem`` (one
-    all-gather of a CRC-32 and the flag), else every rank's description (one more all-gather), on every rank."""
-    mine = np.array([zlib.crc32(json.dumps(description, sort_keys=True).encode()), int(problem)], dtype=np.int64)
-    rows = comm.all_gather(mine)
-    if (rows[:, 0] == rows[0, 0]).all() and not rows[:, 1].any():
-        return None
-    return all_gather_object(comm, description)

@@ -24,12 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
-from .messages import mismatch_message, where
 from .wait import DEFAULT_TIMEOUT, TIMEOUT_ENV, default_timeout, resolve_timeout
 
 __all__ = ["Communicator", "ShardingCommunicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout", "resolve_timeout",
-           "check_reduce_args", "split_counts", "check_counts", "check_rows", "counts_digest", "agree_counts"]
+           "check_reduce_args", "split_counts", "check_counts", "check_rows", "counts_digest"]
 
 #: Reduction operations every backend supports, by name.
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -287,31 +285,3 @@ def counts_digest(counts: Sequence[int]) -> int:
     """A CRC-32 of ``counts`` (an int in ``[0, 2**32)``), for comparing them across ranks in one integer."""
     return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
 
-
-def agree_counts(ctl: Any, kind: str, n: int, code: int, counts: Sequence[int]) -> str:
-    """Agree on a sharded call through a :class:`~distopt.comm.control.ControlBlock` (MPI, torch): its
-    descriptor ``(kind, n, code)`` and, inline, the :func:`counts_digest` of ``counts``.
-
-    Args:
-        ctl: the backend's control block.
-        kind: the collective (``"reduce_scatter"``, ``"all_gather_into"``).
-        n: the array's ELEMENTS.
-        code: the dtype/op code.
-        counts: this rank's validated counts.
-
-    Returns:
-        The call's name for messages (``"reduce_scatter #3"``).
-
-    Raises:
-        CollectiveMismatchError: on every rank (all see the same table), when
-            the descriptors or the counts differ; the message names every
-            rank's digest and this rank's counts.
-        CollectiveTimeoutError: from the exchange.
-    """
-    what = ctl.agree(kind, n, code, np.array([counts_digest(counts)], dtype=np.int64))
-    values = ctl.rows(np.dtype(np.int64), 1)[:, 0].tolist()
-    if values.count(values[0]) != len(values):
-        raise CollectiveMismatchError(mismatch_message(
-            where(ctl.backend, what, ctl.rank), "counts (as a CRC-32)", [f"{v:#010x}" for v in values],
-            f"ranks passed different counts (this rank: {list(counts)})"))
-    return what

@@ -25,8 +25,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, DistOptError
-from .messages import mismatch_message, where
+from ..errors import DistOptError
+from .base import counts_digest
+from .consensus import check_agreed
+from .messages import where
 from .rank_order import accumulator_dtype, reduce_in_rank_order
 
 __all__ = ["KINDS", "HEAD_BYTES", "MAX_INLINE_BYTES", "inline_bytes", "block_bytes", "encode", "kind_name",
@@ -65,6 +67,7 @@ def block_bytes(size: int) -> int:
 
 
 _HEAD = struct.Struct("<4q")
+_INT64 = np.dtype(np.int64)
 
 
 def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payload: np.ndarray | None) -> None:
@@ -140,13 +143,11 @@ def check(everyone: np.ndarray, place: str) -> None:
     rows = everyone.tolist()
     if rows.count(rows[0]) == len(rows):
         return
-    if len({(k, s) for k, s, _, _ in rows}) > 1:
-        field, values, hint = "collective", [f"{kind_name(k)} #{s}" for k, s, _, _ in rows], DIFFERENT_CALLS
-    elif len({c for _, _, c, _ in rows}) > 1:
-        field, values, hint = "element count", [str(c) for _, _, c, _ in rows], DIFFERENT_COUNTS
-    else:
-        field, values, hint = "dtype or op (as its code)", [f"{c:#x}" for _, _, _, c in rows], None
-    raise CollectiveMismatchError(mismatch_message(place, field, values, hint))
+    check_agreed(place, {"collective": [(k, s) for k, s, _, _ in rows], "element count": [c for _, _, c, _ in rows],
+                         "dtype or op (as its code)": [c for _, _, _, c in rows]},
+                 show={"collective": lambda ks: f"{kind_name(ks[0])} #{ks[1]}", "element count": str,
+                       "dtype or op (as its code)": lambda c: f"{c:#x}"},
+                 hint={"collective": DIFFERENT_CALLS, "element count": DIFFERENT_COUNTS})
 
 
 class ControlBlock:
@@ -203,6 +204,25 @@ class ControlBlock:
         self._exchange(what)
         if not same(self._heads):
             check(self._heads.copy(), where(self.backend, what, self.rank))
+        return what
+
+    def agree_counts(self, kind: str, count: int, code: int, counts: Sequence[int]) -> str:
+        """:meth:`agree` on a sharded call, its inline data the
+        :func:`~distopt.comm.base.counts_digest` of ``counts`` (the validated ELEMENTS per rank).
+
+        Returns:
+            The call's name for messages (``"reduce_scatter #3"``).
+
+        Raises:
+            CollectiveMismatchError: on every rank (all see the same table), when the descriptors or
+                the counts differ; the message names every rank's digest and this rank's counts.
+            DistOptError / CollectiveTimeoutError: as :meth:`agree`.
+        """
+        what = self.agree(kind, count, code, np.array([counts_digest(counts)], dtype=np.int64))
+        values = self.rows(_INT64, 1)[:, 0].tolist()
+        if values.count(values[0]) != len(values):  # the message only when they differ (this is per call)
+            check_agreed(where(self.backend, what, self.rank), {"counts (as a CRC-32)": values},
+                         show=lambda v: f"{v:#010x}", hint=f"ranks passed different counts (this rank: {list(counts)})")
         return what
 
     def rows(self, dtype: np.dtype, count: int) -> np.ndarray:

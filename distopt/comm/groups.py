@@ -10,14 +10,13 @@ its ranks are the members' parent ranks in ascending order, renumbered from
 """
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
 from .base import Communicator
+from .consensus import agree
 
 __all__ = ["Group", "split", "communicator_of"]
 
@@ -107,31 +106,24 @@ def split(parent: Communicator, ranks: Iterable[int], name: str | None = None) -
         The :class:`Group` (``comm`` None on a rank outside it).
 
     Raises:
-        TypeError / ValueError: on every rank, naming the rank whose ``ranks`` is bad.
-        CollectiveMismatchError: on every rank, the ranks disagree on the group's members or name.
+        TypeError / ValueError: on every rank, naming each rank whose ``ranks`` is bad
+            (``"new_group on rank 1: ranks must be in [0, 2), got ..."``).
+        CollectiveMismatchError: on every rank, the ranks disagree on the group's members or name,
+            naming every rank's (:func:`~distopt.comm.consensus.agree`).
         ValueError: the backend cannot split (NCCL; a torch group of a group).
     """
     if not callable(getattr(parent, "split", None)):
         raise ValueError(f"new_group: the {getattr(parent, 'name', type(parent).__name__)!r} communicator has no "
                          "process groups (they exist on the mpi, shm, torch and single backends)")
-    problem, members = "", ()
+    problem, members = None, ()
     try:
         members = _check_ranks(ranks, parent.size)
     except (TypeError, ValueError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
+        problem = exc
     label = name if name is not None else f"group{list(members)}"
-    mine = np.frombuffer(pickle.dumps((problem, members, label)), dtype=np.uint8).copy()
-    everyone = [pickle.loads(p.tobytes()) for p in parent.all_gather_v(mine)]
-    bad = [(r, p) for r, (p, _, _) in enumerate(everyone) if p]
-    if bad:
-        r, p = bad[0]
-        kind = TypeError if p.startswith("TypeError") else ValueError
-        raise kind(f"new_group: rank {r} passed bad ranks: {p.split(': ', 1)[1]}")
-    seen = {(m, n) for _, m, n in everyone}
-    if len(seen) > 1:
-        listing = "; ".join(f"rank {r}: {list(m)} named {n!r}" for r, (_, m, n) in enumerate(everyone))
-        raise CollectiveMismatchError(f"new_group {label!r}: the ranks disagree on the group's members or name "
-                                      f"({listing})")
+    call = "new_group" if name is None else f"new_group {name!r}"
+    agree(parent, {"member list": list(members), "group name": label}, call=call, problem=problem,
+          kinds=(ValueError, TypeError), hint="every rank must call new_group with the same ranks and name")
     return Group(members, label, parent.split(members), parent.size)
 
 

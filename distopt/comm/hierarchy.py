@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import os
 import socket
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -51,6 +50,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from .base import Communicator, split_counts
+from .consensus import agree
 from .groups import split
 from .shm.communicator import ShmCommunicator
 from .shm.rows import check_platform
@@ -236,26 +236,29 @@ class HierarchicalCommunicator:
         return (callable(contiguous) and not getattr(array, "is_cuda", True) and contiguous()
                 and str(array.dtype) in _TORCH_FLOATS and array.numel() * array.element_size() >= MIN_BYTES)
 
-    def _agreed(self, array: Any, op: str) -> bool:
-        """Whether every rank passes the same element count, dtype and op (one small flat all-gather)."""
+    def _agree(self, array: Any, op: str) -> None:
+        """Check that every rank passes the same element count, dtype and op (one small flat all-gather:
+        :func:`~distopt.comm.consensus.agree`)."""
         n = array.size if isinstance(array, np.ndarray) else array.numel()
-        mine = np.array([n, zlib.crc32(f"{array.dtype}/{op}".encode())], dtype=np.int64)
-        everyone = self.flat.all_gather(mine)
-        return bool((everyone == mine).all())
+        agree(self.flat, {"element count": n, "dtype": str(array.dtype), "op": op},
+              call=f"{self.name} hierarchical all_reduce", hint="different buffers, or ranks at unequal step counts")
 
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """All-reduce ``array`` in place (hierarchically when large, float, sum/avg; else flat); returns it.
 
         The ranks first compare the element count, dtype and op over the
-        flat communicator; a difference runs the flat all-reduce, which
-        raises its mismatch error on every rank.
+        flat communicator (large float sums only; the others are the flat
+        communicator's, which checks them itself).
 
         Raises:
-            CollectiveMismatchError: as the flat communicator's ``all_reduce``.
+            CollectiveMismatchError: on every rank, the element count, dtype or op differs, naming
+                every rank's (``"<backend> hierarchical all_reduce: element count differs across ranks
+                (...)"``); or as the flat communicator's ``all_reduce``.
             CollectiveTimeoutError: a phase (inside the node or across) missed its deadline.
         """
-        if not self._hierarchical(array, op) or not self._agreed(array, op):
-            return self.flat.all_reduce(array, op)  # a disagreement raises there, on every rank
+        if not self._hierarchical(array, op):
+            return self.flat.all_reduce(array, op)
+        self._agree(array, op)
         return self._start(array, op).wait()
 
     def all_reduce_async(self, array: Any, op: str = "sum") -> Any:

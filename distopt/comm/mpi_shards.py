@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from ..core._array import is_cupy
 from ..core._fastcast import sum_rows
-from .base import REDUCE_OPS, agree_counts, check_counts, check_reduce_args, check_rows
+from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
 from .control import dtype_code
 from .lifecycle import Completed, collective, timed_call
 from .staging import staged
@@ -151,7 +151,7 @@ class MpiShards:
         counts = check_counts(array, counts, self.size)
         self._buffer(array)  # the dtype check, before any communication
         code = dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
-        what = agree_counts(self._ctl, "reduce_scatter", array.size, code, counts)
+        what = self._ctl.agree_counts("reduce_scatter", array.size, code, counts)
         request, finish = self._start_reduce_scatter(array, counts, op)
         if request is not None:
             self._wait(request, what)
@@ -193,7 +193,7 @@ class MpiShards:
         """
         counts = check_counts(array, counts, self.size)
         self._buffer(array)  # the dtype check, before any communication
-        what = agree_counts(self._ctl, "all_gather_into", array.size, dtype_code(array.dtype), counts)
+        what = self._ctl.agree_counts("all_gather_into", array.size, dtype_code(array.dtype), counts)
         request = self._start_all_gather_into(array, counts)
         if request is not None:
             self._wait(request, what)

@@ -23,7 +23,7 @@ into a new ``(size, max(counts))`` tensor and copies every segment back into
 Gathers move any dtype (as bytes); reductions take the dtypes gloo reduces.
 
 The blocking forms first agree on the call through the control block, its
-inline data carrying a CRC-32 of ``counts`` (:func:`~distopt.comm.base.agree_counts`),
+inline data carrying a CRC-32 of ``counts`` (:meth:`~distopt.comm.control.ControlBlock.agree_counts`),
 so ranks with different counts, dtypes or ops raise
 :class:`~distopt.errors.CollectiveMismatchError` on every rank; the
 ``_async`` forms do not (as ``all_reduce_async``).
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from .base import REDUCE_OPS, agree_counts, check_counts, check_reduce_args, check_rows
+from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
 from .lifecycle import collective, timed_call
 from .torch_arrays import FlatTensor, descriptor_code as _code
 
@@ -191,7 +191,7 @@ class TorchShards:
         counts = check_counts(array, counts, self.size)
         t = FlatTensor(array)
         self._torch_op(t.flat.dtype, op)  # the dtype check, before any communication
-        what = agree_counts(self._ctl, "reduce_scatter", t.flat.numel(), _code(t, REDUCE_OPS.index(op)), counts)
+        what = self._ctl.agree_counts("reduce_scatter", t.flat.numel(), _code(t, REDUCE_OPS.index(op)), counts)
         work, finish = self._start_reduce_scatter(t, counts, op)
         if work is not None:
             self._complete(work, t, what)
@@ -229,7 +229,7 @@ class TorchShards:
         """
         counts = check_counts(array, counts, self.size)
         t = FlatTensor(array)
-        what = agree_counts(self._ctl, "all_gather_into", t.flat.numel(), _code(t, 0), counts)
+        what = self._ctl.agree_counts("all_gather_into", t.flat.numel(), _code(t, 0), counts)
         work, finish = self._start_all_gather_into(t, counts)
         if work is not None:
             self._complete(work, t, what)

@@ -32,11 +32,11 @@ def case_metric_and_object_errors(rank: int, comm) -> dict:
 @pytest.mark.parametrize(("backend", "size"), tiered([("sim", 3), ("mpi", 3), ("shm", 2), ("torch", 2)]))
 def test_metric_and_object_arguments_are_checked_on_every_rank(backend, size):
     for res in run_case(backend, size, case_metric_and_object_errors):
-        assert res["keys"].startswith("CollectiveMismatchError: all_reduce_metrics: the ranks passed different"), res
+        assert res["keys"].startswith("CollectiveMismatchError: all_reduce_metrics: metric set differs across ranks"), res
         assert "rank 1: {'b': ()}" in res["keys"], res["keys"]
         assert res["shape"].startswith("CollectiveMismatchError"), res["shape"]
         assert res["mean"].startswith("KeyError") and "on rank 0: mean names 'z', which is not among" in res["mean"], res["mean"]
-        assert res["roots"].startswith("CollectiveMismatchError: broadcast_object: the ranks passed different roots"), res
+        assert res["roots"].startswith("CollectiveMismatchError: broadcast_object: root differs across ranks (rank 0: 0, rank 1: "), res
         assert res["bad_root"].startswith("ValueError: broadcast_object: root must be an int in"), res["bad_root"]
         assert res["sum"]["n"] == (size - 1) / 2 and res["sum"]["v"].tolist() == [size, size]
         assert res["object"] == {"from": size - 1}

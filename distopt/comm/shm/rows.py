@@ -45,6 +45,7 @@ import numpy as np
 from ...errors import BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError
 from .. import control
 from ..base import REDUCE_OPS
+from ..consensus import check_agreed
 from ..messages import STALLED, failure_message, mismatch_message, timeout_message, where
 from ..wait import Backoff, wait_until
 from .segments import Segments
@@ -279,22 +280,23 @@ class ControlRows:
         if op != "all_gather_v" and control.same(heads):  # every rank's is rank 0's
             return heads[:, 1].tolist()
         kinds, counts, codes, args = (heads[:, i].tolist() for i in range(4))
-        fields = [("collective", kinds, lambda k: _KINDS[k], control.DIFFERENT_CALLS)]
+        fields, show = {"collective": kinds}, {"collective": lambda k: _KINDS[k]}
+        hint = {"collective": control.DIFFERENT_CALLS, "element count": control.DIFFERENT_COUNTS,
+                "counts (as a CRC-32)": "ranks passed different counts"}
         if op != "all_gather_v":
-            fields.append(("element count", counts, str, control.DIFFERENT_COUNTS))
-        fields.append(("dtype", codes, lambda i: str(_DTYPES[i]), None))
+            fields["element count"] = counts
+        fields["dtype"], show["dtype"] = codes, lambda i: str(_DTYPES[i])
         if op == "broadcast":
-            fields.append(("root", args, str, None))
+            fields["root"] = args
         elif op in _SHARDED:
-            fields.append(("op", [a % 8 for a in args], lambda i: REDUCE_OPS[i], None))
-            fields.append(("counts (as a CRC-32)", [a // 8 for a in args], lambda d: f"{d:#010x}",
-                           "ranks passed different counts"))
+            fields["op"] = [a % 8 for a in args]
+            fields["counts (as a CRC-32)"] = [a // 8 for a in args]
+            show["counts (as a CRC-32)"] = lambda d: f"{d:#010x}"
         else:
-            fields.append(("op", args, lambda i: REDUCE_OPS[i], None))
-        for field, values, show, hint in fields:
-            if len(set(values)) > 1:
-                raise CollectiveMismatchError(mismatch_message(self._where(op, c), field, [show(v) for v in values],
-                                                               hint))
+            fields["op"] = args
+        if "op" in fields:
+            show["op"] = lambda i: REDUCE_OPS[i]
+        check_agreed(self._where(op, c), fields, show=show, hint=hint)
         return counts
 
     def close(self) -> None:

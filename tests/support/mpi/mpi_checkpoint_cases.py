@@ -71,7 +71,7 @@ def test_a_refused_value_fails_save_on_every_rank(world, shared_dir):
     opt.close()
     everyone = world.allgather((error, seconds < DEADLINE))
     assert everyone[0] == everyone[1], everyone
-    assert everyone[0][0].startswith("TypeError: rank 0: TypeError: model_state['when'] is of type numpy.datetime64")
+    assert everyone[0][0].startswith("TypeError: save on rank 0: model_state['when'] is of type numpy.datetime64")
     assert everyone[0][1], f"save took the {DEADLINE} s deadline: {everyone}"
     assert not (shared_dir / "ckpt.pt").exists()
 
@@ -99,5 +99,5 @@ def test_a_truncated_residual_file_is_reported_on_every_rank(world, shared_dir):
     everyone = world.allgather((save_error, error, seconds < DEADLINE))
     assert everyone[0] == everyone[1], everyone
     assert everyone[0][0] is None
-    assert everyone[0][1].startswith(f"ValueError: rank 1: ValueError: checkpoint {residuals} is truncated or corrupt")
+    assert everyone[0][1].startswith(f"ValueError: load on rank 1: checkpoint {residuals} is truncated or corrupt")
     assert everyone[0][2], f"load took the {DEADLINE} s deadline: {everyone}"

@@ -1,6 +1,6 @@
-"""``python -m distopt.launch -n N script.py ...``: see :func:`distopt.launch.launcher.main`."""
+"""``python -m distopt.launch -n N script.py ...``: see :func:`distopt.launch.cli.main`."""
 import sys
 
-from .launcher import main
+from .cli import main
 
 sys.exit(main())

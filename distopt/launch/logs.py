@@ -1,4 +1,4 @@
-"""Per-rank logging under any launcher: ``[rank r]`` prefixes, INFO from rank 0 only.
+"""Per-rank output under any launcher: ``[rank r]`` log prefixes, INFO and progress bars from rank 0 only.
 
 ``distopt.setup_logging()`` at the top of a training script makes every
 ``logging`` record read ``[rank 3] WARNING distopt: ...``, lets INFO and
@@ -6,18 +6,22 @@ DEBUG through on rank 0 only (the others show WARNING and above), and finds
 the rank from the launcher's variables (torchrun, mpiexec, Slurm,
 ``python -m distopt.launch``; none: rank 0), so it can run before any
 communicator exists. :func:`distopt.launch.spawn` sets up the same format
-in its workers.
+in its workers. :func:`progress` shows a tqdm bar on rank 0 and nothing on
+the others.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import TextIO
+from collections.abc import Iterable
+from typing import Any, TextIO, TypeVar
 
 from . import ranks
 
-__all__ = ["setup_logging", "rank_filter", "LOG_FORMAT"]
+__all__ = ["setup_logging", "rank_filter", "progress", "LOG_FORMAT"]
+
+T = TypeVar("T")
 
 #: The record format: rank, level, logger name, message.
 LOG_FORMAT = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
@@ -67,3 +71,17 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None, stream: Te
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, _Handler)] + [handler]
     root.setLevel(shown)
     return rank
+
+
+def progress(iterable: Iterable[T], rank: int, **kwargs: Any) -> Iterable[T]:
+    """``tqdm(iterable, **kwargs)`` on rank 0; the bare iterable (no bar) on the others.
+
+    Raises:
+        ImportError: tqdm is not installed (on every rank alike), naming the
+            extra that installs it.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ImportError(f"distopt.launch.progress needs tqdm ({exc}): pip install 'distopt[progress]'") from exc
+    return tqdm(iterable, **kwargs) if rank == 0 else iterable

@@ -1,0 +1,152 @@
+"""``python -m distopt.launch``: run N copies of a script (or module) as one single-node job, fail-fast.
+
+Each copy gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
+and ``DISTOPT_JOB_ID``, so ``DistOpt(opt)``
+(:func:`distopt.launch.world.build_world`) joins the job over shared memory
+and any distopt script runs unchanged. The first copy that fails ends the
+job (the others get SIGTERM, then SIGKILL after ``--grace`` seconds) and its
+exit code becomes the launcher's. The children get SIGTERM from the kernel
+when the launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), and
+the job's shared-memory segments are removed at the end in every case.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ._pdeath import _prctl_pdeathsig
+from .exits import describe_exit, end_on_signals
+from .info import JOB_ID_ENV
+from .nccl_id import new_job_id
+
+__all__ = ["main"]
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM the live children, SIGKILL after ``grace`` s, reap all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _child_setup() -> None:
+    """``preexec_fn`` of the CLI's children: SIGTERM when the launcher dies, even by SIGKILL."""
+    _prctl_pdeathsig(signal.SIGTERM)
+
+
+def _tag_lines(source: Any, sink: Any, prefix: bytes) -> None:
+    """Copy ``source`` to ``sink`` line by line, each line prefixed (one write per line)."""
+    for line in iter(source.readline, b""):
+        sink.write(prefix + line)
+        sink.flush()
+    source.close()
+
+
+_DESCRIPTION = """\
+Run N copies of a Python script (or module) as one single-node distopt job, fail-fast.
+
+Each copy gets RANK and LOCAL_RANK (0..N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N) and
+DISTOPT_JOB_ID (shared): distopt.DistOpt(opt) in the script then joins the job over
+shared memory, so any distopt script runs unchanged, e.g.
+
+  python -m distopt.launch -n 2 examples/cnn_mpi.py --epochs 1
+  python -m distopt.launch -n 4 --tag-output -m mypackage.train --lr 0.1
+
+The first copy that fails (non-zero exit, signal) ends the job: the others get SIGTERM,
+then SIGKILL after --grace seconds; its traceback is on stderr and its exit code is the
+launcher's. If the launcher is ended (SIGTERM, Ctrl-C, even SIGKILL) the copies end too
+and the job's shared-memory segments are removed.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distopt.launch", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of processes (copies)")
+    parser.add_argument("-m", dest="module", metavar="MODULE",
+                        help="run a module (as python -m MODULE) instead of a script")
+    parser.add_argument("--tag-output", action="store_true",
+                        help="prefix every line of stdout and stderr with [rank R]")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when ending the job (default 5)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py args...",
+                        help="the script and its arguments (with -m: the module's arguments)")
+    return parser
+
+
+def _start(rank: int, nproc: int, job_id: str, argv: list[str], tag: bool
+           ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), **{JOB_ID_ENV: job_id})
+    pipe = subprocess.PIPE if tag else None
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=pipe, stderr=pipe,
+                            preexec_fn=_child_setup if sys.platform.startswith("linux") else None)
+    threads = []
+    if tag:
+        prefix = f"[rank {rank}] ".encode()
+        for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            thread = threading.Thread(target=_tag_lines, args=(source, sink, prefix), daemon=True)
+            thread.start()
+            threads.append(thread)
+    return proc, threads
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distopt.launch -n N [--tag-output] (script.py | -m module) args...``; returns the exit status.
+
+    0 when every copy exits 0; otherwise the first failing rank's exit code
+    (128 + signal number for a signal), after terminating the others; 130 on
+    SIGINT (Ctrl-C, even where the launcher started with SIGINT ignored), 143
+    on SIGTERM (the children are terminated too). The job's shared-memory
+    segments are removed at the end in every case.
+    """
+    from ..comm.shm import unlink_segments
+
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.nproc < 1:
+        parser.error("-n must be >= 1")
+    if ns.module is None and not ns.command:
+        parser.error("give a script (script.py args...) or a module (-m MODULE args...)")
+    command = ["-m", ns.module, *ns.command] if ns.module else ns.command
+    job_id = new_job_id()
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    end_on_signals()
+    try:
+        for rank in range(ns.nproc):
+            proc, tagging = _start(rank, ns.nproc, job_id, command, ns.tag_output)
+            procs.append(proc)
+            threads += tagging
+        while True:
+            for rank, p in enumerate(procs):
+                code = p.poll()
+                if code:
+                    print(f"distopt.launch: rank {rank} {describe_exit(code)}; "
+                          "terminating the other ranks", file=sys.stderr, flush=True)
+                    return code if code > 0 else 128 - code
+            if all(p.returncode == 0 for p in procs):
+                return 0
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        print("distopt.launch: interrupted; terminating all ranks", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        _terminate(procs, ns.grace)
+        for thread in threads:
+            thread.join(ns.grace)
+        unlink_segments(job_id)
+

@@ -8,11 +8,9 @@ current stream then waits for the collective, so later kernels see the
 result. No host synchronisation happens except where a count must reach
 the host (``all_gather_v``).
 
-Sharded collectives: ``reduce_scatter`` is ``ncclReduceScatter`` into a new
-array, ``all_gather_into`` an in-place ``ncclAllGather``, ``all_to_all``
-grouped ``ncclSend``/``ncclRecv``; with unequal counts each segment is padded
-to ``max(counts)`` in a zeroed ``(size, max(counts))`` copy (the gather copies
-back). Their ``_async`` forms return completed handles (stream-ordered).
+The sharded collectives (reduce-scatter, in-place all-gather, all-to-all,
+with ``_async`` forms) are in :mod:`~distopt.comm.nccl_shards`, the dtype and
+reduction names in :mod:`~distopt.comm.nccl_types`.
 
 Unlike the MPI backend, calls are not pre-checked for matching counts and
 dtypes across ranks (that would cost a host round trip per call); DistOpt
@@ -22,7 +20,6 @@ two ranks on one GPU ("Duplicate GPU detected").
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,9 +32,11 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
 
 from ..errors import CollectiveTimeoutError, DistOptError
 from ..launch.devices import device_index
-from .base import check_counts, check_reduce_args, check_rows
+from .base import check_reduce_args
 from .lifecycle import CommunicatorState, Completed, collective
 from .messages import STALLED, failure_message, timeout_message, where
+from .nccl_shards import NcclShards
+from .nccl_types import nccl_dtype, nccl_op
 from .wait import Backoff, resolve_timeout, wait_until
 
 if TYPE_CHECKING:
@@ -47,24 +46,6 @@ if TYPE_CHECKING:
 _BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 
 __all__ = ["NcclCommunicator", "unique_id_from_mpi", "new_unique_id"]
-
-_TYPES = {
-    np.dtype(np.float16): nccl.NCCL_FLOAT16,
-    np.dtype(np.float32): nccl.NCCL_FLOAT32,
-    np.dtype(np.float64): nccl.NCCL_FLOAT64,
-    np.dtype(np.int8): nccl.NCCL_INT8,
-    np.dtype(np.uint8): nccl.NCCL_UINT8,
-    np.dtype(np.int32): nccl.NCCL_INT32,
-    np.dtype(np.int64): nccl.NCCL_INT64,
-    np.dtype(np.bool_): nccl.NCCL_UINT8,  # reduced with MAX (OR) / MIN (AND)
-}
-_OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-
-
-def _starts(counts: Sequence[int]) -> list[int]:
-    """Element offset of each rank's segment."""
-    return [sum(counts[:r]) for r in range(len(counts))]
-
 
 def new_unique_id() -> tuple[int, ...]:
     """A fresh NCCL unique id (128 ints), the job's "ticket"."""
@@ -89,7 +70,7 @@ def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in buf)
 
 
-class NcclCommunicator(CommunicatorState):
+class NcclCommunicator(NcclShards, CommunicatorState):
     """Collectives on CuPy arrays over one NCCL communicator.
 
     Args:
@@ -193,19 +174,6 @@ class NcclCommunicator(CommunicatorState):
         fn(self._stream.ptr)
         caller.wait_event(self._stream.record())
 
-    @staticmethod
-    def _check(array: Any) -> int:
-        if not isinstance(array, cupy.ndarray):
-            raise TypeError(f"the NCCL backend takes CuPy arrays, got {type(array).__name__}")
-        if array.dtype not in _TYPES:
-            raise TypeError(f"dtype {array.dtype} is not supported by the NCCL backend")
-        return _TYPES[array.dtype]
-
-    @staticmethod
-    def _op(array: Any, op: str) -> int:
-        """The NCCL reduction of ``op`` on ``array``'s dtype (bool: MAX for OR, MIN for AND)."""
-        return {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]
-
     def _host_call(self, name: str, array: np.ndarray, *args: Any) -> Any:
         """A sharded collective on a NumPy array: by the control communicator, else staged through the
         device (one host wait); the result on the host (``all_gather_into``: written into ``array``)."""
@@ -233,10 +201,10 @@ class NcclCommunicator(CommunicatorState):
             array[...] = staged.get()
             return array
         check_reduce_args(array, op)
-        dtype = self._check(array)
-        nccl_op = self._op(array, op)
+        dtype = nccl_dtype(array)
+        reduction = nccl_op(array, op)
         if array.size:
-            self._run(lambda s: self._comm.allReduce(array.data.ptr, array.data.ptr, array.size, dtype, nccl_op, s))
+            self._run(lambda s: self._comm.allReduce(array.data.ptr, array.data.ptr, array.size, dtype, reduction, s))
         if op == "avg":
             array /= self.size
         return array
@@ -260,7 +228,7 @@ class NcclCommunicator(CommunicatorState):
             self._host_wait(f"broadcast of {array.size} host elements")
             array[...] = staged.get()
             return array
-        dtype = self._check(array)
+        dtype = nccl_dtype(array)
         if array.size:
             self._run(lambda s: self._comm.bcast(array.data.ptr, array.size, dtype, root, s))
         return array
@@ -274,7 +242,7 @@ class NcclCommunicator(CommunicatorState):
             staged = self.all_gather(cupy.asarray(array))
             self._host_wait(f"all_gather of {array.size} host elements")
             return staged.get()
-        dtype = self._check(array)
+        dtype = nccl_dtype(array)
         src = cupy.ascontiguousarray(array)
         out = cupy.empty((self.size, *array.shape), dtype=array.dtype)
         if array.size:
@@ -295,86 +263,6 @@ class NcclCommunicator(CommunicatorState):
         padded[:array.size] = array
         gathered = self.all_gather(padded)
         return [gathered[r, :int(c)] for r, c in enumerate(counts)]
-
-    @collective
-    def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
-        """Reduce-scatter on the comm stream into a new array of ``counts[rank]`` elements; ``array`` is
-        left unchanged. See :meth:`distopt.comm.base.Communicator.reduce_scatter` (no cross-rank
-        agreement check, see the module docs) and, for unequal counts, the padding above."""
-        check_reduce_args(array, op)
-        counts = check_counts(array, counts, self.size)
-        if isinstance(array, np.ndarray):
-            return self._host_call("reduce_scatter", array, counts, op)
-        dtype, nccl_op = self._check(array), self._op(array, op)
-        width = max(counts)
-        out = cupy.empty(width, dtype=array.dtype)
-        src = array
-        if min(counts) != width:
-            src = cupy.zeros((self.size, width), dtype=array.dtype)
-            for r, (start, c) in enumerate(zip(_starts(counts), counts)):
-                src[r, :c] = array[start:start + c]
-        if width:
-            self._run(lambda s: self._comm.reduceScatter(src.data.ptr, out.data.ptr, width, dtype, nccl_op, s))
-        out = out[:counts[self.rank]]
-        if op == "avg":
-            out /= self.size
-        return out
-
-    @collective
-    def reduce_scatter_async(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Completed:
-        """:meth:`reduce_scatter`, already ordered on the caller's stream: a completed handle."""
-        return Completed(self.reduce_scatter(array, counts, op))
-
-    @collective
-    def all_gather_into(self, array: Any, counts: Sequence[int] | None = None) -> Any:
-        """In-place all-gather of per-rank segments on the comm stream; returns ``array``. See
-        :meth:`distopt.comm.base.Communicator.all_gather_into` and, for unequal counts, the padding above."""
-        counts = check_counts(array, counts, self.size)
-        if isinstance(array, np.ndarray):
-            return self._host_call("all_gather_into", array, counts)
-        dtype, width = self._check(array), max(counts)
-        starts, mine = _starts(counts), counts[self.rank]
-        if not width:
-            return array
-        if min(counts) == width:  # NCCL's in-place form: the send buffer is this rank's slot of the output
-            send = array.data.ptr + starts[self.rank] * array.itemsize
-            self._run(lambda s: self._comm.allGather(send, array.data.ptr, width, dtype, s))
-            return array
-        src = cupy.zeros(width, dtype=array.dtype)
-        src[:mine] = array[starts[self.rank]:starts[self.rank] + mine]
-        out = cupy.empty((self.size, width), dtype=array.dtype)
-        self._run(lambda s: self._comm.allGather(src.data.ptr, out.data.ptr, width, dtype, s))
-        for r, (start, c) in enumerate(zip(starts, counts)):
-            array[start:start + c] = out[r, :c]
-        return array
-
-    @collective
-    def all_gather_into_async(self, array: Any, counts: Sequence[int] | None = None) -> Completed:
-        """:meth:`all_gather_into`, already ordered on the caller's stream: a completed handle."""
-        return Completed(self.all_gather_into(array, counts))
-
-    @collective
-    def all_to_all(self, array: Any) -> Any:
-        """Row j of ``array`` to rank j by grouped send/receive on the comm stream; a new array of
-        ``array``'s shape (NumPy in, NumPy out). See :meth:`distopt.comm.base.Communicator.all_to_all`."""
-        check_rows(array, self.size)
-        if isinstance(array, np.ndarray):
-            return self._host_call("all_to_all", array)
-        dtype = self._check(array)
-        out = cupy.empty_like(array)
-        k = array.size // self.size
-
-        def exchange(stream: int) -> None:
-            nccl.groupStart()
-            for p in range(self.size):
-                offset = p * k * array.itemsize
-                self._comm.send(array.data.ptr + offset, k, dtype, p, stream)
-                self._comm.recv(out.data.ptr + offset, k, dtype, p, stream)
-            nccl.groupEnd()
-
-        if k:
-            self._run(exchange)
-        return out
 
     @collective
     def barrier(self) -> None:

@@ -16,7 +16,8 @@ each one is in (:mod:`~distopt.comm.mpi_where`).
 float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
 (``MPI.UINT16_T``, 2 bytes per element on the wire) and are summed by a
 reduce-scatter, a float32 sum rounded once, and an all-gather
-(:mod:`~distopt.comm.mpi_half`). The sharded collectives (reduce-scatter,
+(:mod:`~distopt.comm.mpi_half`); how each dtype travels is
+:mod:`~distopt.comm.mpi_types`. The sharded collectives (reduce-scatter,
 in-place all-gather, all-to-all, with ``_async`` forms) are in
 :mod:`~distopt.comm.mpi_shards`.
 """
@@ -44,8 +45,9 @@ from .base import REDUCE_OPS, check_reduce_args
 from .control import dtype_code as _dtype_code
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, timeout_message, where
-from .mpi_half import HalfQueue, HalfSum, half_dtypes, half_op
+from .mpi_half import HalfQueue, HalfSum
 from .mpi_shards import MpiShards
+from .mpi_types import mpi_buffer, reduce_op
 from .mpi_where import WhereChannel
 from .staging import staged, staged_async
 from .wait import Backoff, resolve_timeout, wait_until
@@ -56,33 +58,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MPICommunicator"]
 
-_MPI_TYPES: dict[np.dtype, Any] = {
-    np.dtype(np.float32): MPI.FLOAT,
-    np.dtype(np.float64): MPI.DOUBLE,
-    np.dtype(np.int8): MPI.INT8_T,
-    np.dtype(np.int16): MPI.INT16_T,
-    np.dtype(np.int32): MPI.INT32_T,
-    np.dtype(np.int64): MPI.INT64_T,
-    np.dtype(np.uint8): MPI.UINT8_T,
-    np.dtype(np.uint16): MPI.UINT16_T,
-    np.dtype(np.uint32): MPI.UINT32_T,
-    np.dtype(np.uint64): MPI.UINT64_T,
-    np.dtype(np.bool_): MPI.C_BOOL,
-}
-_NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
 #: Seconds a wait polls MPI without sleeping before it starts backing off.
 BUSY_POLL = 0.02
 _BACKOFF = Backoff(busy_s=BUSY_POLL, yield_s=BUSY_POLL, min_sleep_s=1e-5, max_sleep_s=2e-4)
-
-
-def _reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
-    """The MPI operation for ``op`` on ``dtype`` (logical for bool, user-defined for 16-bit floats)."""
-    if dtype == np.bool_:
-        return _BOOL_OPS[op]
-    if mpi_type is MPI.UINT16_T and dtype != np.uint16:
-        return half_op(dtype, op)
-    return _NATIVE_OPS[op]
 
 
 def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[Any, Callable[[], Any]]:
@@ -153,7 +131,6 @@ class MPICommunicator(MpiShards, CommunicatorState):
     """
 
     name = "mpi"
-    _mpi_op = staticmethod(_reduce_op)  # for MpiShards
 
     def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
         self.timeout = resolve_timeout(timeout)
@@ -223,21 +200,6 @@ class MPICommunicator(MpiShards, CommunicatorState):
         self._where.post(self._ctl.seq, self._ctl.kind)
         self._wait(self._start_exchange(), what)
 
-    def _buffer(self, array: Any) -> tuple[Any, Any]:
-        if not isinstance(array, np.ndarray):
-            raise TypeError(
-                f"the MPI backend takes NumPy arrays, got {type(array).__name__}; "
-                "use backend='nccl' for CuPy arrays"
-            )
-        if not array.flags.c_contiguous:
-            raise TypeError("array must be C-contiguous")
-        dt = array.dtype
-        if dt in _MPI_TYPES:
-            return array, _MPI_TYPES[dt]
-        if dt.itemsize == 2 and dt in half_dtypes():
-            return array.view(np.uint16), MPI.UINT16_T
-        raise TypeError(f"dtype {dt} is not supported by the MPI backend")
-
     # --------------------------------------------------------------- protocol
     @staged
     @collective
@@ -248,7 +210,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         float16/bfloat16 travel as 2-byte words (:class:`~distopt.comm.mpi_half.HalfSum`).
         """
         check_reduce_args(array, op)
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         code = _dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
         if array.nbytes <= self._ctl.inline:
             self._ctl.agree("all_reduce", array.size, code, array)
@@ -278,7 +240,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
             timeout) and divides by the world size for ``op="avg"``.
         """
         check_reduce_args(array, op)
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         request = self._start(array, buf, mpi_type, op) if array.size and self.size > 1 else None
         return MpiHandle(self, request, array, op)
 
@@ -286,7 +248,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         """Start the in-place reduction of ``array``; a request (``Test()``)."""
         if mpi_type is MPI.UINT16_T and array.dtype != np.uint16 and op in ("sum", "avg"):
             return HalfSum(self._comm, array, self._halves)
-        return self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], _reduce_op(array.dtype, mpi_type, op))
+        return self._comm.Iallreduce(MPI.IN_PLACE, [buf, mpi_type], reduce_op(array.dtype, mpi_type, op))
 
     @staged
     @collective
@@ -294,7 +256,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         """Overwrite ``array`` with root's contents on every rank (in place)."""
         if not 0 <= root < self.size:
             raise ValueError(f"root must be in [0, {self.size}), got {root}")
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         code = _dtype_code(array.dtype) * 64 + root
         if array.nbytes <= self._ctl.inline:
             self._ctl.agree("broadcast", array.size, code, array if self.rank == root else None)
@@ -309,7 +271,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
     @collective
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-sized arrays; returns shape ``(size, *array.shape)``."""
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         out = np.empty((self.size, *array.shape), dtype=array.dtype)
         if array.nbytes <= self._ctl.inline:
             self._ctl.agree("all_gather", array.size, _dtype_code(array.dtype), array)
@@ -317,7 +279,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
             return out
         what = self._ctl.agree("all_gather", array.size, _dtype_code(array.dtype))
         if array.size:
-            self._wait(self._comm.Iallgather([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
+            self._wait(self._comm.Iallgather([buf, mpi_type], [mpi_buffer(out)[0], mpi_type]), what)
         return out
 
     @staged
@@ -326,7 +288,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         """Gather 1-D arrays of per-rank lengths (0 allowed); list of ``size`` arrays."""
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         # the block carries this rank's length, then its data if it fits (and every rank's fits)
         fits = array.nbytes + 8 <= self._ctl.inline
         mine = np.concatenate([np.array([array.size], dtype=np.int64).view(np.uint8),
@@ -340,7 +302,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         out = np.empty(int(counts.sum()), dtype=array.dtype)
         if out.size:
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            recv = [self._buffer(out)[0], (counts.tolist(), displs.tolist()), mpi_type]
+            recv = [mpi_buffer(out)[0], (counts.tolist(), displs.tolist()), mpi_type]
             self._wait(self._comm.Iallgatherv([buf, mpi_type], recv), what)
         return np.split(out, np.cumsum(counts)[:-1].tolist())
 

@@ -1,7 +1,8 @@
 """The MPI backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
 
 :class:`MpiShards` is a mixin of :class:`~distopt.comm.mpi.MPICommunicator`
-(it uses the communicator's buffers, control block and bounded waits).
+(it uses the communicator's control block and bounded waits; buffers and
+datatypes come from :mod:`~distopt.comm.mpi_types`).
 ``reduce_scatter`` is ``Ireduce_scatter`` with the per-rank counts into a new
 array (``array`` is left unchanged), ``all_gather_into`` an in-place
 ``Iallgatherv`` (``MPI.IN_PLACE``), ``all_to_all`` an ``Ialltoall`` into a new
@@ -31,6 +32,7 @@ from ..core._fastcast import sum_rows
 from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
 from .control import dtype_code
 from .lifecycle import Completed, collective, timed_call
+from .mpi_types import mpi_buffer, reduce_op
 from .staging import staged
 
 if TYPE_CHECKING:
@@ -88,15 +90,13 @@ class MpiShards:
     size: int
     _comm: Any
     _ctl: ControlBlock
-    _buffer: Callable[[Any], tuple[Any, Any]]
     _wait: Callable[[Any, str], None]
-    _mpi_op: Callable[[np.dtype, Any, str], Any]
 
     def _start_reduce_scatter(self, array: np.ndarray, counts: list[int], op: str
                               ) -> tuple[Any, Callable[[], np.ndarray]]:
         """Start the reduce-scatter; returns its request (None: nothing moves) and the function that
         finishes it and returns this rank's segment."""
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         mine = counts[self.rank]
         out = np.empty(mine, dtype=array.dtype)
         half = mpi_type is MPI.UINT16_T and array.dtype != np.uint16
@@ -109,8 +109,8 @@ class MpiShards:
                                             [recv, ([mine] * self.size, [mine * r for r in range(self.size)]),
                                              MPI.UINT16_T])
         elif array.size:
-            request = self._comm.Ireduce_scatter([buf, mpi_type], [self._buffer(out)[0], mpi_type], counts,
-                                                 self._mpi_op(array.dtype, mpi_type, op))
+            request = self._comm.Ireduce_scatter([buf, mpi_type], [mpi_buffer(out)[0], mpi_type], counts,
+                                                 reduce_op(array.dtype, mpi_type, op))
 
         def finish() -> np.ndarray:
             if recv is not None and mine:
@@ -123,7 +123,7 @@ class MpiShards:
 
     def _start_all_gather_into(self, array: np.ndarray, counts: list[int]) -> Any:
         """Start the in-place ``Iallgatherv``; its request, or None when nothing moves."""
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         if not array.size or self.size == 1:
             return None
         return self._comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _displs(counts)), mpi_type])
@@ -149,7 +149,7 @@ class MpiShards:
         """
         check_reduce_args(array, op)
         counts = check_counts(array, counts, self.size)
-        self._buffer(array)  # the dtype check, before any communication
+        mpi_buffer(array)  # the dtype check, before any communication
         code = dtype_code(array.dtype) * 8 + REDUCE_OPS.index(op)
         what = self._ctl.agree_counts("reduce_scatter", array.size, code, counts)
         request, finish = self._start_reduce_scatter(array, counts, op)
@@ -192,7 +192,7 @@ class MpiShards:
             CollectiveTimeoutError: the deadline passed.
         """
         counts = check_counts(array, counts, self.size)
-        self._buffer(array)  # the dtype check, before any communication
+        mpi_buffer(array)  # the dtype check, before any communication
         what = self._ctl.agree_counts("all_gather_into", array.size, dtype_code(array.dtype), counts)
         request = self._start_all_gather_into(array, counts)
         if request is not None:
@@ -231,11 +231,11 @@ class MpiShards:
             CollectiveTimeoutError: the deadline passed.
         """
         check_rows(array, self.size)
-        buf, mpi_type = self._buffer(array)
+        buf, mpi_type = mpi_buffer(array)
         out = np.empty_like(array)
         what = self._ctl.agree("all_to_all", array.size, dtype_code(array.dtype))
         if self.size == 1:
             out[...] = array
         elif array.size:
-            self._wait(self._comm.Ialltoall([buf, mpi_type], [self._buffer(out)[0], mpi_type]), what)
+            self._wait(self._comm.Ialltoall([buf, mpi_type], [mpi_buffer(out)[0], mpi_type]), what)
         return out

@@ -1,9 +1,12 @@
-"""The torch backend's view of a caller's array: a flat tensor sharing its memory, and the way back.
+"""The torch backend's view of a caller's array: a flat tensor sharing its memory, how torch.distributed
+moves and reduces its dtype, and the way back.
 
 NumPy arrays become CPU tensors that share their memory (``torch.from_numpy``,
 no copy; bfloat16 from ``ml_dtypes`` through a 16-bit view), CuPy arrays CUDA
 tensors through DLPack, torch tensors stay as they are; results go back to
-the caller's array type.
+the caller's array type. gloo reduces the dtypes of :data:`REDUCIBLE` (bool:
+MAX for logical OR, MIN for AND; ``"avg"`` is a sum the backend then
+divides) and moves any other dtype as its bytes (:func:`movable`).
 """
 from __future__ import annotations
 
@@ -12,8 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-__all__ = ["FlatTensor", "descriptor_code"]
+__all__ = ["FlatTensor", "descriptor_code", "REDUCIBLE", "torch_op", "movable"]
+
+#: The dtypes gloo reduces.
+REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                       torch.int32, torch.int64, torch.bool})
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _bfloat16() -> np.dtype | None:
@@ -71,3 +81,21 @@ class FlatTensor:
 def descriptor_code(t: FlatTensor, extra: int) -> int:
     """Descriptor code of the tensor's dtype and ``extra`` (op or root), the same on every rank."""
     return zlib.crc32(str(t.flat.dtype).encode()) * (1 << 24) + extra
+
+
+def torch_op(dtype: torch.dtype, op: str) -> Any:
+    """The ``ReduceOp`` of ``op`` (a name of :data:`~distopt.comm.base.REDUCE_OPS`) on ``dtype`` (bool: MAX
+    for OR, MIN for AND).
+
+    Raises:
+        TypeError: gloo cannot reduce ``dtype``.
+    """
+    if dtype not in REDUCIBLE:
+        raise TypeError(f"dtype {dtype} cannot be reduced by the torch backend (gloo); use one of "
+                        + ", ".join(sorted(str(d).replace("torch.", "") for d in REDUCIBLE)))
+    return _BOOL_OPS[op] if dtype == torch.bool else _OPS[op]
+
+
+def movable(flat: torch.Tensor) -> torch.Tensor:
+    """A dtype gloo can move: the tensor itself, or its bytes."""
+    return flat if flat.dtype in REDUCIBLE else flat.view(torch.uint8)

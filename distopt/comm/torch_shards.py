@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
 from .lifecycle import collective, timed_call
-from .torch_arrays import FlatTensor, descriptor_code as _code
+from .torch_arrays import FlatTensor, descriptor_code as _code, movable, torch_op
 
 if TYPE_CHECKING:
     from .control import ControlBlock
@@ -108,13 +108,11 @@ class TorchShards:
     _group: Any
     _ctl: ControlBlock
     _complete: Callable[[Any, FlatTensor, str], None]
-    _torch_op: Callable[[torch.dtype, str], Any]
-    _bytes: Callable[[torch.Tensor], torch.Tensor]
 
     def _start_reduce_scatter(self, t: FlatTensor, counts: list[int], op: str) -> tuple[Any, Callable[[], Any]]:
         """Start the reduce-scatter of ``t``; returns its work (None: nothing moves) and the function
         that finishes it and returns this rank's segment as the caller's array type."""
-        torch_op = self._torch_op(t.flat.dtype, op)
+        reduction = torch_op(t.flat.dtype, op)
         width, mine = max(counts), counts[self.rank]
         work, rows = None, None
         if self.size == 1:
@@ -138,7 +136,7 @@ class TorchShards:
                     start += c
                 src = src.reshape(-1)
             out = t.new(width)
-            work = dist.reduce_scatter_tensor(out, src, op=torch_op, group=self._group, async_op=True)
+            work = dist.reduce_scatter_tensor(out, src, op=reduction, group=self._group, async_op=True)
 
         def finish() -> Any:
             result = out[:mine] if rows is None else _reduce_rows(rows, op)
@@ -161,7 +159,7 @@ class TorchShards:
         else:
             inp, out = t.flat.new_zeros(width), t.new(self.size * width)
             inp[:mine.numel()] = mine
-        work = dist.all_gather_into_tensor(self._bytes(out), self._bytes(inp), group=self._group, async_op=True)
+        work = dist.all_gather_into_tensor(movable(out), movable(inp), group=self._group, async_op=True)
 
         def finish() -> Any:
             if out is not t.flat:
@@ -190,7 +188,7 @@ class TorchShards:
         check_reduce_args(array, op)
         counts = check_counts(array, counts, self.size)
         t = FlatTensor(array)
-        self._torch_op(t.flat.dtype, op)  # the dtype check, before any communication
+        torch_op(t.flat.dtype, op)  # the dtype check, before any communication
         what = self._ctl.agree_counts("reduce_scatter", t.flat.numel(), _code(t, REDUCE_OPS.index(op)), counts)
         work, finish = self._start_reduce_scatter(t, counts, op)
         if work is not None:
@@ -271,6 +269,6 @@ class TorchShards:
         if self.size == 1:
             out.copy_(t.flat)
         elif t.flat.numel():
-            self._complete(dist.all_to_all_single(self._bytes(out), self._bytes(t.flat), group=self._group,
+            self._complete(dist.all_to_all_single(movable(out), movable(t.flat), group=self._group,
                                                   async_op=True), t, what)
         return t.back(out.reshape(tuple(array.shape)))

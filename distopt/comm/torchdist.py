@@ -3,12 +3,14 @@
 The job is joined with ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, as ``torchrun`` sets them), or an already initialised default
 process group is reused through a new group of all its ranks, so distopt's
-traffic never interleaves with the caller's. With CUDA available the group is
-``"cpu:gloo,cuda:nccl"``: torch routes each tensor by its device.
+traffic never interleaves with the caller's (:mod:`~distopt.comm.torch_join`).
+With CUDA available the group is ``"cpu:gloo,cuda:nccl"``: torch routes each
+tensor by its device.
 
 Arrays: NumPy arrays travel as CPU tensors that share their memory, CuPy
 arrays as CUDA tensors through DLPack, torch tensors as they are
-(:mod:`~distopt.comm.torch_arrays`). Collectives return the caller's array type.
+(:mod:`~distopt.comm.torch_arrays`, which also names the dtypes gloo reduces).
+Collectives return the caller's array type.
 
 Every collective first all-gathers a 4-integer descriptor (kind, sequence
 number, element count, dtype/op code) over gloo, so ranks that disagree get
@@ -32,7 +34,6 @@ all-gather, all-to-all, with ``_async`` forms) are in :mod:`~distopt.comm.torch_
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -43,15 +44,18 @@ try:
     import torch.distributed as dist
 except ImportError as exc:  # turned into BackendUnavailableError by distopt.comm.create
     raise ImportError(f"the torch backend needs PyTorch: {exc}") from exc
+if not dist.is_available():
+    raise ImportError("this PyTorch build has no torch.distributed")
 
-from ..errors import CollectiveTimeoutError, DistOptError
+from ..errors import CollectiveTimeoutError
 from ..launch.devices import device_index
 from . import control
 from .base import REDUCE_OPS, check_reduce_args
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, failure_message, timeout_message, where
 from .rank_order import reduce_in_rank_order
-from .torch_arrays import FlatTensor, descriptor_code as _code
+from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movable, torch_op
+from .torch_join import join
 from .torch_shards import TorchShards
 from .wait import resolve_timeout
 
@@ -61,13 +65,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchCommunicator", "TorchHandle"]
 
-if not dist.is_available():
-    raise ImportError("this PyTorch build has no torch.distributed")
-
-_REDUCIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-              torch.int32, torch.int64, torch.bool}
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: A CPU wait that fails after this fraction of the deadline timed out (gloo's own timer, as long as
 #: ours, starts when its thread takes the work up, a moment before or after the wait begins).
@@ -128,31 +125,8 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def __init__(self, rank: int | None = None, size: int | None = None, *, timeout: float | None = None,
                  device: int | None = None) -> None:
         self.timeout = resolve_timeout(timeout)
-        pg_timeout = datetime.timedelta(seconds=self.timeout)
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-        if device is not None and torch.cuda.is_available():
-            torch.cuda.set_device(device)
-        self._owns_default = not dist.is_initialized()
-        if self._owns_default:
-            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-            if missing:
-                raise ValueError(
-                    f"the torch backend joins the job through {' and '.join(missing)}, which are not set: "
-                    "start the script with torchrun, or export MASTER_ADDR (rank 0's host) and MASTER_PORT "
-                    "(a free port) on every rank")
-            kwargs: dict[str, Any] = {}
-            if rank is not None:
-                kwargs["rank"] = int(rank)
-            if size is not None:
-                kwargs["world_size"] = int(size)
-            try:
-                dist.init_process_group(backend, init_method="env://", timeout=pg_timeout, **kwargs)
-            except (RuntimeError, ValueError) as exc:
-                raise DistOptError(f"torch.distributed rendezvous at {os.environ['MASTER_ADDR']}:"
-                                   f"{os.environ['MASTER_PORT']} failed: {exc}") from exc
-            self._bind(None, backend)  # the default group
-        else:
-            self._bind(dist.new_group(backend=backend, timeout=pg_timeout), backend)
+        group, backend, self._owns_default = join(rank, size, self.timeout, device)
+        self._bind(group, backend)
         for name, given, actual in (("rank", rank, self.rank), ("size", size, self.size)):
             if given is not None and int(given) != actual:
                 self.close()
@@ -237,26 +211,8 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         if op == "avg":
             flat.div_(self.size)
 
-    @staticmethod
-    def _torch_op(dtype: torch.dtype, op: str) -> Any:
-        """The ``ReduceOp`` of ``op`` on ``dtype`` (bool: MAX for OR, MIN for AND).
-
-        Raises:
-            TypeError: gloo cannot reduce ``dtype``.
-        """
-        if dtype not in _REDUCIBLE:
-            raise TypeError(f"dtype {dtype} cannot be reduced by the torch backend (gloo); use one of "
-                            + ", ".join(sorted(str(d).replace("torch.", "") for d in _REDUCIBLE)))
-        return _BOOL_OPS[op] if dtype == torch.bool else _OPS[op]
-
     def _reduce_work(self, t: FlatTensor, op: str) -> Any:
-        torch_op = self._torch_op(t.flat.dtype, op)
-        return dist.all_reduce(t.flat, op=torch_op, group=self._group, async_op=True)
-
-    @staticmethod
-    def _bytes(flat: torch.Tensor) -> torch.Tensor:
-        """A dtype gloo can move: the tensor itself, or its bytes."""
-        return flat if flat.dtype in _REDUCIBLE else flat.view(torch.uint8)
+        return dist.all_reduce(t.flat, op=torch_op(t.flat.dtype, op), group=self._group, async_op=True)
 
     # --------------------------------------------------------------- protocol
     @collective
@@ -270,7 +226,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         """
         check_reduce_args(array, op)
         t = FlatTensor(array)
-        if t.flat.dtype not in _REDUCIBLE:
+        if t.flat.dtype not in REDUCIBLE:
             self._reduce_work(t, op)  # raises the TypeError before any communication
         code = _code(t, REDUCE_OPS.index(op))
         if self._small(t):
@@ -314,13 +270,13 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         what = self._agree("broadcast", t.flat.numel(), _code(t, root))
         if t.flat.numel() and self.size > 1:
             src = dist.get_global_rank(self._group, root) if self._group is not None else root
-            self._complete(dist.broadcast(self._bytes(t.flat), src=src, group=self._group, async_op=True), t, what)
+            self._complete(dist.broadcast(movable(t.flat), src=src, group=self._group, async_op=True), t, what)
         return array
 
     def _gather(self, t: FlatTensor, what: str) -> torch.Tensor:
         out = t.new(self.size * t.flat.numel())
         if t.flat.numel():
-            self._complete(_gather_flat(self._bytes(out), self._bytes(t.flat), group=self._group, async_op=True),
+            self._complete(_gather_flat(movable(out), movable(t.flat), group=self._group, async_op=True),
                            t, what)
         return out
 

@@ -1,0 +1,65 @@
+"""How the torch backend joins the job: its own rendezvous, or a new group of the script's process group.
+
+With no default process group yet, :func:`join` initialises one with
+``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
+``torchrun`` sets them) and the communicator owns it. When the script has
+initialised one already, it makes a new group of all its ranks instead, so
+distopt's traffic never interleaves with the caller's. With CUDA the group
+is ``"cpu:gloo,cuda:nccl"`` (torch routes each tensor by its device), else
+``"gloo"``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistOptError
+
+__all__ = ["join"]
+
+
+def join(rank: int | None, size: int | None, timeout: float, device: int | None) -> tuple[Any, str, bool]:
+    """Join the job (collective over every process of the job).
+
+    Args:
+        rank: this process's rank, or None for ``$RANK``.
+        size: the world size, or None for ``$WORLD_SIZE``.
+        timeout: seconds, the rendezvous' deadline and the process group's timeout.
+        device: CUDA device index to make current (``torch.cuda.set_device``), or None.
+
+    Returns:
+        The process group (None: the default group, which this call created), the backend string
+        (``"cpu:gloo,cuda:nccl"`` or ``"gloo"``), and whether the caller owns the default group
+        (destroys it on close).
+
+    Raises:
+        ValueError: ``MASTER_ADDR``/``MASTER_PORT`` missing when no process group is initialised.
+        DistOptError: the rendezvous failed (e.g. a peer never came).
+    """
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if device is not None and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return dist.new_group(backend=backend, timeout=pg_timeout), backend, False
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"the torch backend joins the job through {' and '.join(missing)}, which are not set: "
+            "start the script with torchrun, or export MASTER_ADDR (rank 0's host) and MASTER_PORT "
+            "(a free port) on every rank")
+    kwargs: dict[str, Any] = {}
+    if rank is not None:
+        kwargs["rank"] = int(rank)
+    if size is not None:
+        kwargs["world_size"] = int(size)
+    try:
+        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout, **kwargs)
+    except (RuntimeError, ValueError) as exc:
+        raise DistOptError(f"torch.distributed rendezvous at {os.environ['MASTER_ADDR']}:"
+                           f"{os.environ['MASTER_PORT']} failed: {exc}") from exc
+    return None, backend, True

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..step.engine import Outcome
+from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..torch.adapter import TorchOptimizer, as_array, as_tensor
 from ..torch.sink import GradientSink

@@ -21,12 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ..core._array import xp_of
-from ..core.buckets import Bucket, put
+from ..core.buckets import Bucket, is_float, put
 from ..comm.base import Communicator
 from ..comm.lifecycle import profile_range
 from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
+from .outcome import Agreement, Outcome, Pending, all_zero
 
 __all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
 
@@ -108,8 +109,9 @@ class BucketPipeline:
         launch: the :class:`Launcher`.
         comm: the communicator.
         counters: the step counters.
-        context: ``context(where)`` wraps collective errors with the step
-            and the bucket (``where``: a string or a function returning one).
+        agreement: the step's :class:`~distopt.step.outcome.Agreement` (its
+            small collectives, and ``context(where)``, which wraps collective
+            errors with the step and the bucket).
         views: reduce a lone contiguous gradient in place (no copy). False
             packs every bucket into a buffer the pipeline owns, so that a
             reduction abandoned by an exception in backward never writes
@@ -130,12 +132,12 @@ class BucketPipeline:
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
-                 context: Callable[[str], Any], views: bool = True, bucket_view: bool = False,
+                 agreement: Agreement, views: bool = True, bucket_view: bool = False,
                  settled: Any = None, sync: StepSync | None = None) -> None:
         self.strategy, self.buckets, self.buffers, self.key = strategy, buckets, buffers, key
         self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
-        self.context = context
+        self.agreement, self.context = agreement, agreement.context
         self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
         self.missing = [len(bucket.slots) for bucket in buckets]
         self.marked: set[int] = set()
@@ -207,6 +209,56 @@ class BucketPipeline:
         with self.context(lambda: self._where(b)), self._range(b, "start"):
             self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
         self.next = b + 1
+
+    def complete(self, grads: list[Any], active: bool = True) -> Outcome:
+        """Start the buckets not started yet, agree on the step, then average ``grads`` in place (collective).
+
+        A missing gradient counts as zero; a parameter with no gradient on
+        any rank is reported absent; integer and boolean parameters are
+        never reduced. A step skipped before the reduction (a rank's own
+        gradient is not finite) writes nothing.
+
+        With ``check_finite`` the decision is also taken on the REDUCED
+        gradient (an overflowing half-precision sum of finite inputs), with
+        one more one-element all-reduce so every rank decides the same; the
+        averaged (non-finite) values are then left in ``grads``.
+
+        A step the header left pending (:class:`~distopt.step.outcome.Pending`)
+        completes the buckets first, then settles which gradients exist from
+        the reduced ones.
+        """
+        agreement, settled = self.agreement, self.settled
+        if settled is not None and not settled.applies:  # skipped before any reduction
+            return agreement.on_gradients(self.params, grads, active, settled)
+        self.launch_rest(grads)
+        if isinstance(settled, Pending):
+            return self._settle_from_reduced(grads, active)
+        outcome = agreement.on_gradients(self.params, grads, active, settled)
+        if not outcome.applies:
+            self.abandon()
+            return outcome
+        self.finish(grads, agreement.divisor(outcome))
+        if self.buckets and self.sync.vote(grads, outcome.present, agreement.check_finite, agreement.vote):
+            agreement.skip(outcome)
+        return outcome
+
+    def _settle_from_reduced(self, grads: list[Any], active: bool) -> Outcome:
+        """Finish a pending step's buckets (nobody joined: divided by the world size), then its outcome:
+        every float gradient present when none reduced to all zeros (the same answer on every rank, the
+        reduced values being the same), else the gradient flags' all-reduce, from this rank's own ``grads``."""
+        had = [g is not None for g in grads]
+        self.finish(grads, self.comm.size)
+        for i, p in enumerate(self.params):
+            if not is_float(p):
+                continue
+            reduced = grads[i]
+            if reduced is None:  # a bucket view's slot: the gradient is its flat buffer, never unpacked
+                b, s = self.where[i]
+                reduced = self.flats[b][0][s.offset:s.offset + s.size]
+            if all_zero(reduced):
+                return self.agreement.on_gradients(self.params, [g if h else None for g, h in zip(grads, had)],
+                                                   active)
+        return Outcome([is_float(p) for p in self.params], self.comm.size, False)
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
         """Start every bucket not started yet, in order; missing gradients pack as zeros.

@@ -30,7 +30,8 @@ from ..core.counters import Counters
 from ..strategies.base import Strategy, UpdateContext
 from .accumulate import GradientAccumulator
 from .agreement import GroupSettings, group_settings
-from .engine import Engine, Outcome
+from .engine import Engine
+from .outcome import Outcome
 from .local import ArrayOptimizer, LocalOptimizer, checked_pairs
 from .pipeline import BucketPipeline
 from .strategy_set import StrategySet, slots
@@ -127,7 +128,7 @@ class StepRunner:
         self.counters.buckets_started_in_backward += pipeline.next
         sync = pipeline.sync
         self._held = lambda: sync.held_bytes
-        return self.engine.complete(pipeline, grads, active)
+        return pipeline.complete(grads, active)
 
     def finish_step(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, applied: bool) -> None:
         """After the local update: count an applied step and run a parameter averager's after-update.

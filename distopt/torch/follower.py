@@ -62,7 +62,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from ..core.buckets import VIEW_THRESHOLD
-from ..step.engine import Outcome
+from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
 from ..step.strategy_set import slots

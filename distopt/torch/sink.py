@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..step.engine import Outcome
+from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from .adapter import as_tensor
 

@@ -51,7 +51,8 @@ import numpy as np
 from ..core._array import xp_of
 from ..errors import CollectiveMismatchError
 from ..step.agreement import digest
-from ..step.engine import Engine, Outcome
+from ..step.engine import Engine
+from ..step.outcome import Outcome
 from .adapter import as_array, as_tensor
 
 __all__ = ["SparseGrads", "needs_sparse", "DENSE"]
@@ -157,7 +158,7 @@ class SparseGrads:
             sparse = [(i, t) for i, t in enumerate(self.owned) if self.is_sparse(t)]
             if not sparse:
                 return False
-            divisor = self.engine.comm.size if self.engine.divide_by_initial_world_size else outcome.active
+            divisor = self.engine.agreement.divisor(outcome)
             bad = self._average(sparse, divisor, shadow)
         if bad and self.engine.check_finite:
             self.engine.counters.skipped_steps += 1

@@ -60,15 +60,15 @@ def test_dense_declares_overlap_and_join_and_has_no_settings():
 
 @pytest.mark.parametrize("views", [True, False], ids=["viewed", "packed"])
 def test_bucket_sync_divides_a_viewed_bucket_in_place_and_a_packed_one_while_unpacking(views):
-    from contextlib import nullcontext
-
+    from distopt.step.outcome import Agreement
     from distopt.step.pipeline import BucketPipeline, Launcher
 
     def rank_fn(rank, comm):
         grad = np.array([1.0, 2.0, 4.0]) * (rank + 1)
         buckets = plan_buckets([((3,), np.dtype(np.float64))], 1, 3)
-        pipeline = BucketPipeline(Dense(), buckets, {}, 0, [np.zeros(3)], Launcher(comm), comm, Counters(),
-                                  lambda where: nullcontext(), views=views)
+        counters = Counters()
+        pipeline = BucketPipeline(Dense(), buckets, {}, 0, [np.zeros(3)], Launcher(comm), comm, counters,
+                                  Agreement(comm, counters, False, True), views=views)
         grads = [grad]
         pipeline.ready(0, grad)
         pipeline.launch_rest(grads)

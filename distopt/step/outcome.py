@@ -1,0 +1,141 @@
+"""The ranks' agreement on a step: its outcome, and the small collectives that settle it.
+
+The step header (:class:`~distopt.step.engine.Engine`) settles a step when
+it can; otherwise the pipeline completing the step asks its
+:class:`Agreement` for one small all-reduce of gradient flags
+(:meth:`Agreement.on_gradients`) or, after the reduction, one vote on the
+reduced values (:meth:`Agreement.vote`). Every collective error carries the
+step number and where it happened (:meth:`Agreement.context`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..comm.base import Communicator
+from ..core._array import xp_of
+from ..core.buckets import is_float
+from ..core.counters import Counters
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+
+__all__ = ["Outcome", "Pending", "Agreement", "all_zero", "not_finite"]
+
+
+@dataclass
+class Outcome:
+    """The ranks' agreement on one step.
+
+    Attributes:
+        present: per parameter, True when some rank had a (float) gradient.
+        active: ranks that contributed (fewer than the world size while
+            some have joined; 0 when every rank has joined).
+        skipped: ``check_finite`` found a NaN or inf on some rank: every
+            rank skips the update.
+    """
+
+    present: list[bool]
+    active: int
+    skipped: bool
+
+    @property
+    def applies(self) -> bool:
+        """True when the step updates parameters."""
+        return self.active > 0 and not self.skipped
+
+
+class Pending(Outcome):
+    """The header's outcome of a step whose reduced gradients settle which gradients exist (host arrays,
+    no ``check_finite``, nobody joined: see :mod:`distopt.step.engine`)."""
+
+
+def all_zero(array: Any) -> bool:
+    """True when every element of a host array is zero (or it has none), read in growing slices from its start."""
+    flat = array.reshape(-1)
+    if flat.size and flat[0] != 0:
+        return False
+    start, step = 0, 64
+    while start < flat.size:
+        if flat[start:start + step].any():
+            return False
+        start, step = start + step, step * 8
+    return True
+
+
+def not_finite(grads: Sequence[Any]) -> bool:
+    """Whether some float gradient of ``grads`` (None entries skipped) holds a NaN or an inf."""
+    return any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
+
+
+class Agreement:
+    """The small collectives that settle a step, and the error context of every collective in it.
+
+    Args:
+        comm: the communicator.
+        counters: the step counters (``control_collectives``, ``skipped_steps``, ``steps``).
+        check_finite: a NaN or inf on any rank skips the step on every rank.
+        divide_by_initial_world_size: while some ranks have joined, divide
+            by the world size (DDP's default); False divides by the active ranks.
+    """
+
+    def __init__(self, comm: Communicator, counters: Counters, check_finite: bool,
+                 divide_by_initial_world_size: bool) -> None:
+        self.comm, self.counters, self.check_finite = comm, counters, check_finite
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
+    @contextmanager
+    def context(self, where: str | Callable[[], str]) -> Iterator[None]:
+        """Prefix a collective error with the step number and ``where`` it happened (a string, or a
+        function building it, called only on an error)."""
+        try:
+            yield
+        except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
+            if str(exc).startswith("step "):
+                raise
+            place = where if isinstance(where, str) else where()
+            raise type(exc)(f"step {self.counters.steps + 1}, {place}: {exc}") from exc
+
+    def divisor(self, outcome: Outcome) -> int:
+        """The number the summed gradients are divided by (>= 1 for an applied step)."""
+        return self.comm.size if self.divide_by_initial_world_size else outcome.active
+
+    def on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
+                     settled: Outcome | None = None) -> Outcome:
+        """Per parameter, whether some rank has a gradient; how many ranks are active (not joined);
+        whether any rank saw a non-finite gradient (only with ``check_finite``).
+
+        ``settled``: the outcome the step header already agreed on (no
+        collective then); None runs one small all-reduce (``len(params) + 2``
+        int32 flags).
+        """
+        if settled is not None:
+            outcome = Outcome(list(settled.present), settled.active, settled.skipped)
+        else:
+            flags = np.zeros(len(params) + 2, dtype=np.int32)
+            for i, (p, g) in enumerate(zip(params, grads)):
+                flags[i] = g is not None and is_float(p)
+            flags[-2] = int(active)
+            if self.check_finite and active:
+                flags[-1] = not_finite(grads)
+            with self.context("agreement on gradients present"):
+                self.comm.all_reduce(flags, op="sum")
+            self.counters.control_collectives += 1
+            outcome = Outcome([bool(c) for c in flags[:-2]], int(flags[-2]), bool(flags[-1]))
+        if outcome.skipped:
+            self.counters.skipped_steps += 1
+        return outcome
+
+    def vote(self, bad: bool) -> bool:
+        """Whether some rank's ``bad`` is set: one one-element int32 all-reduce (max), on the reduced gradient."""
+        flag = np.array([int(bad)], dtype=np.int32)
+        with self.context("agreement on the reduced gradient being finite"):
+            self.comm.all_reduce(flag, op="max")
+        self.counters.control_collectives += 1
+        return bool(flag[0])
+
+    def skip(self, outcome: Outcome) -> None:
+        """Mark ``outcome`` skipped after the reduction (counted once)."""
+        outcome.skipped = True
+        self.counters.skipped_steps += 1

@@ -160,8 +160,9 @@ def plan_shards(buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
 
 
 def piece_views(plan: ShardPlan, arrays: Sequence[Any]) -> list[Any]:
-    """One 1-D view per piece into ``arrays`` (C-contiguous; writing a view writes the array)."""
-    return [arrays[p.index].reshape(-1)[p.start:p.stop] for p in plan.pieces]
+    """One 1-D view per piece into ``arrays`` (C-contiguous; writing a view writes the array); None for a
+    piece of a None entry."""
+    return [None if arrays[p.index] is None else arrays[p.index].reshape(-1)[p.start:p.stop] for p in plan.pieces]
 
 
 def shard_grad_views(plan: ShardPlan, segments: dict[int, Any]) -> list[Any]:

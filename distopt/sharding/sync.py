@@ -4,16 +4,26 @@ The step engine holds one :class:`BucketSync` for its life, chosen by
 :func:`bucket_sync`; each step's pipeline holds the :class:`StepSync` it
 begins. Everything that differs between the stages is here:
 
-=========================  ===========================  ===================================
-                           replicated (``zero=0``)       sharded (``zero=1|2``)
-=========================  ===========================  ===================================
-a bucket's collective      all-reduce, in place          reduce-scatter: this rank's segment
-the reduced bucket         unpacked into the gradients   kept as the segment (stage 2: the
-                                                         bucket's buffer is dropped)
-the finiteness vote        only with ``check_finite``    always (each rank sees its segments)
-the update                 every parameter               this rank's pieces, then the
-                                                         parameters' all-gather
-=========================  ===========================  ===================================
+=====================  ==========================  ==========================  ===========================
+                       replicated (``zero=0``)     stage 1                     stage 2
+=====================  ==========================  ==========================  ===========================
+a bucket's collective  all-reduce, in place        all-reduce, in place        reduce-scatter: this rank's
+                                                                               segment
+the reduced bucket     unpacked into the           unpacked into the           kept as the segment; the
+                       gradients                   gradients                   bucket's buffer is dropped
+the finiteness vote    only with ``check_finite``  only with ``check_finite``  always (each rank sees its
+                                                                               segments)
+the update             every parameter             this rank's pieces, then    this rank's pieces, then
+                                                   the parameters' all-gather  the parameters' all-gather
+=====================  ==========================  ==========================  ===========================
+
+Stage 1 shards the optimizer state only: every rank keeps the whole
+averaged gradient (as torch's ``ZeroRedundancyOptimizer`` behind DDP), so
+anything that reads or edits the gradients between backward and the update
+(``torch.nn.utils.clip_grad_norm_``, ``GradScaler``) sees what ``zero=0``
+sees. It costs an all-reduce plus the parameters' all-gather per step (1.5
+times the bytes of ``zero=0``); stage 2 moves a reduce-scatter plus the
+all-gather (the bytes of one all-reduce) and keeps 1/W of the gradient.
 
 The torch side of a sharded step (shard tensors, ``.grad``, checkpoints)
 is :mod:`distopt.sharding.torch_step` and :mod:`distopt.sharding.torch_state`.
@@ -33,7 +43,7 @@ from ..strategies.base import Strategy
 from .gather import ParamGather
 from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
 
-__all__ = ["BucketSync", "ShardedSync", "StepSync", "ShardedStep", "bucket_sync"]
+__all__ = ["BucketSync", "ShardedSync", "StepSync", "PieceUpdate", "ShardedStep", "bucket_sync"]
 
 #: ``vote(bad, where)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
 Vote = Callable[[bool], bool]
@@ -107,13 +117,13 @@ class StepSync:
         return 0
 
 
-class ShardedStep(StepSync):
-    """One sharded step: every bucket reduce-scattered; this rank keeps and updates its segments.
+class PieceUpdate(StepSync):
+    """One stage-1 step: every bucket all-reduced into the gradients; this rank updates its pieces of
+    the parameters with their pieces of the average, then the parameters are all-gathered.
 
     Args:
-        launch: the pipeline's launcher (its ``scatter(counts)``).
+        launch: the pipeline's launcher.
         plan: the layout's :class:`~distopt.sharding.plan.ShardPlan`.
-        release: drop each bucket's buffer once reduced (stage 2).
         buckets: the layout's float buckets.
         buffers: the layout's packing buffers (the gather packs into them).
         comm: the communicator (the parameters' all-gather).
@@ -122,6 +132,37 @@ class ShardedStep(StepSync):
         pieces: ``pieces(params)``: the 1-D views of this rank's pieces, the
             same objects at every step of a layout (an array optimizer keys
             its state by them).
+    """
+
+    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
+                 comm: Communicator, context: Callable[[str], Any], counters: Counters,
+                 pieces: Callable[[list[Any]], list[Any]]) -> None:
+        super().__init__(launch)
+        self.plan, self.buckets, self.buffers, self.pieces = plan, buckets, buffers, pieces
+        self.comm, self.context, self.counters = comm, context, counters
+
+    def piece_grads(self, grads: Sequence[Any]) -> list[Any]:
+        """This rank's pieces of the averaged gradients (1-D views; None where a gradient is None)."""
+        return piece_views(self.plan, grads)
+
+    def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:
+        """Update this rank's pieces with their averaged gradients, then all-gather the parameters."""
+        local.apply(self.pieces(params), self.piece_grads(grads), [present[p.index] for p in self.plan.pieces])
+        self.gather(params, asynchronous=False)
+
+    def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
+        """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
+        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous)
+        gather.start()
+        self.counters.gather_bytes += gather.gathered_bytes
+        return gather
+
+
+class ShardedStep(PieceUpdate):
+    """One stage-2 step: every bucket reduce-scattered; this rank keeps and updates its segments, and
+    drops each bucket's buffer once its reduce-scatter has completed.
+
+    Args: as :class:`PieceUpdate`.
 
     Attributes:
         segments: bucket index -> this rank's averaged segment (1-D,
@@ -131,13 +172,10 @@ class ShardedStep(StepSync):
     settles_from_reduced = False  # each rank sees only its own segments
     in_place = False  # a reduce-scatter's result is a new array, the segment
 
-    def __init__(self, launch: Any, plan: ShardPlan, release: bool, buckets: Sequence[Bucket],
-                 buffers: dict[int, Any], comm: Communicator, context: Callable[[str], Any],
-                 counters: Counters, pieces: Callable[[list[Any]], list[Any]]) -> None:
-        super().__init__(launch)
-        self.plan, self.release, self.buckets, self.buffers = plan, release, buckets, buffers
-        self.pieces = pieces
-        self.comm, self.context, self.counters = comm, context, counters
+    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
+                 comm: Communicator, context: Callable[[str], Any], counters: Counters,
+                 pieces: Callable[[list[Any]], list[Any]]) -> None:
+        super().__init__(launch, plan, buckets, buffers, comm, context, counters, pieces)
         self.segments: dict[int, Any] = {}
         self._scatter = [launch.scatter(c) for c in plan.counts]
 
@@ -146,21 +184,21 @@ class ShardedStep(StepSync):
         return self._scatter[b]
 
     def poll(self, b: int, started: Any) -> Any:  # noqa: ARG002
-        """Stage 2: a completed reduce-scatter's segment, owned (the bucket's buffer may then be dropped)."""
-        if self.release and started.test():
+        """A completed reduce-scatter's segment, owned (the bucket's buffer may then be dropped)."""
+        if started.test():
             return Completed(_own(started.wait()))
         return None
 
     def land(self, b: int, bucket: Bucket, flat: Any, viewed: bool, done: Any,  # noqa: ARG002
              grads: list[Any]) -> bool:
-        """Keep bucket ``b``'s averaged segment; returns True (drop the buffer) at stage 2."""
+        """Keep bucket ``b``'s averaged segment; returns True (drop the buffer) while it still has one."""
         segment = done.result
         if done.divisor != 1:
             segment /= done.divisor
-        if self.release and flat is not None:
+        if flat is not None:
             segment = _own(segment)
         self.segments[b] = segment
-        return self.release and flat is not None
+        return flat is not None
 
     def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
         """Whether every rank's segments are finite (collective, always). Not finite: skipped with
@@ -172,22 +210,13 @@ class ShardedStep(StepSync):
                 seg[...] = np.nan
         return bad and check_finite
 
-    def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:  # noqa: ARG002
-        """Update this rank's pieces with its averaged segments, then all-gather the parameters."""
-        local.apply(self.pieces(params), shard_grad_views(self.plan, self.segments),
-                    [present[p.index] for p in self.plan.pieces])
-        self.gather(params, asynchronous=False)
-
-    def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
-        """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
-        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous)
-        gather.start()
-        self.counters.gather_bytes += gather.gathered_bytes
-        return gather
+    def piece_grads(self, grads: Sequence[Any]) -> list[Any]:  # noqa: ARG002
+        """This rank's pieces of the averaged gradients: views into its segments."""
+        return shard_grad_views(self.plan, self.segments)
 
     @property
     def held_bytes(self) -> int:
-        """BYTES of the segments held in memory of their own (stage 2; stage 1's view the buffers)."""
+        """BYTES of the segments held in memory of their own."""
         return sum(int(s.nbytes) for s in self.segments.values() if getattr(s, "base", None) is None)
 
 
@@ -221,17 +250,17 @@ class BucketSync:
 
 
 class ShardedSync(BucketSync):
-    """A sharded stage (``zero=1|2``, ZeRO): reduce-scatter, update the pieces, all-gather.
+    """A sharded stage (``zero=1|2``, ZeRO): update this rank's pieces, then all-gather.
 
     Args:
-        stage: 1 (optimizer state) or 2 (and gradients: each bucket's buffer
-            is dropped once reduced, and a step's buffers are new).
+        stage: 1 (optimizer state: gradients all-reduced) or 2 (and
+            gradients: reduce-scattered, each bucket's buffer dropped once
+            reduced, and a step's buffers are new).
     """
-
-    settles_from_reduced = False
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
+        self.settles_from_reduced = stage == 1  # stage 2: each rank sees only its own segments
         self._pieces: tuple[Any, list[Any]] | None = None
 
     def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:
@@ -249,10 +278,10 @@ class ShardedSync(BucketSync):
         return {} if self.stage == 2 else layout_buffers
 
     def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
-              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> ShardedStep:
+              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> PieceUpdate:
         assert plan is not None
-        return ShardedStep(launch, plan, self.stage == 2, buckets, buffers, comm, context, counters,
-                           lambda params: self._views(plan, params))
+        kind = ShardedStep if self.stage == 2 else PieceUpdate
+        return kind(launch, plan, buckets, buffers, comm, context, counters, lambda params: self._views(plan, params))
 
 
 def bucket_sync(zero: int, comm: Communicator) -> BucketSync:

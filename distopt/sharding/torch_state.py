@@ -96,6 +96,15 @@ class ShardedState:
         else:
             self.shards.load_full(full, params)
 
+    def adopt_existing(self) -> None:
+        """Keep the state already in the inner optimizer (a checkpoint loaded before the wrap, as most DDP
+        scripts do): it is taken out and each rank keeps its own pieces at the first sharded step."""
+        opt = self.shards.local.optimizer
+        full = {n: opt.state.pop(p) for n, p in enumerate(self.shards.local.params()) if p in opt.state}
+        if full:
+            self._pending = full
+            self.shards.restore = self._restore_pending
+
     def _restore_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending:
@@ -124,4 +133,6 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather:
         local.handles.extend(shards.hook_model(model))
-    return shards, ShardedState(shards, comm)
+    state = ShardedState(shards, comm)
+    state.adopt_existing()
+    return shards, state

@@ -12,10 +12,17 @@ unscales and checks the shard gradients; then the parameters are
 all-gathered. The update must be elementwise (see
 :func:`check_elementwise`).
 
-After the reduction, ``.grad`` of a parameter holds (stage 1) this rank's
-segment of the average and zeros elsewhere, or (stage 2) None: the
-gradient lives only in distopt's segments. Clip with
-``DistOpt.clip_grad_norm_`` (the global norm from the shards).
+After the reduction, ``.grad`` of a parameter holds:
+
+* stage 1: the whole average, as with ``zero=0`` (the gradients are
+  all-reduced; the shard tensors' gradients are views into ``.grad``), so
+  ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler``
+  and any in-place edit of ``.grad`` act on what the update reads;
+* stage 2: a placeholder of the parameter's shape (:func:`sharded_grad`):
+  the gradient lives only in this rank's segments, and any use of the
+  placeholder raises an error naming ``opt.clip_grad_norm_`` (the global
+  norm over every rank's shard), never a silently per-rank result. It is
+  None again after ``step()`` and ``zero_grad()``.
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ from ..torch.adapter import TorchOptimizer, as_array, as_tensor
 from ..torch.sink import GradientSink
 from .gather import ParamGather
 from .plan import ShardPlan
-from .sync import ShardedStep
+from .sync import PieceUpdate, ShardedStep
 
-__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "gather_objects", "ELEMENTWISE"]
+__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "gather_objects", "sharded_grad",
+           "is_sharded_grad", "ELEMENTWISE"]
 
 #: torch.optim classes whose update is elementwise (each element's new value depends on that element only).
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
@@ -57,6 +65,49 @@ def check_elementwise(optimizer: Any, zero: int) -> None:
                          "trust ratios and other per-tensor norms are not). Elementwise: torch.optim."
                          f"{', '.join(ELEMENTWISE)}; set `elementwise = True` on your own optimizer class to "
                          "declare it, or use zero=0")
+
+
+def _refuse(func: Any) -> RuntimeError:
+    return RuntimeError(f"DistOpt(zero=2) keeps each gradient sharded over the ranks, so .grad of a parameter is "
+                        f"a placeholder between backward and step() ({func} needs its values): clip with "
+                        "opt.clip_grad_norm_(max_norm) (the global norm over every rank's shard), and edit "
+                        "gradients with zero=1 or zero=0")
+
+
+def _placeholder_class() -> type:
+    import torch
+
+    class ShardedGradTensor(torch.Tensor):
+        """Stage 2's ``.grad`` of a parameter: its shape, dtype and device, and an error for any use."""
+
+        @staticmethod
+        def __new__(cls, like: Any) -> Any:
+            return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+        def __repr__(self) -> str:  # type: ignore[override]
+            return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            raise _refuse(func)
+
+    return ShardedGradTensor
+
+
+_PLACEHOLDER: list[type] = []  # the class, built at first use (torch is imported lazily)
+
+
+def sharded_grad(like: Any) -> Any:
+    """Stage 2's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any operation
+    on it (``clip_grad_norm_``, ``mul_``) raises a RuntimeError naming ``opt.clip_grad_norm_``."""
+    if not _PLACEHOLDER:
+        _PLACEHOLDER.append(_placeholder_class())
+    return _PLACEHOLDER[0](like)
+
+
+def is_sharded_grad(grad: Any) -> bool:
+    """Whether ``grad`` is a placeholder made by :func:`sharded_grad`."""
+    return bool(_PLACEHOLDER) and isinstance(grad, _PLACEHOLDER[0])
 
 
 class ShardedTorchStep(GradientSink):
@@ -116,32 +167,30 @@ class ShardedTorchStep(GradientSink):
             restore, self.restore = self.restore, None
             restore()
 
-    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],  # noqa: ARG002
-              outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:  # noqa: ARG002
+    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],
+              outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:
         """After a sharded reduction: set ``.grad`` (see the module docs) and swap the shard tensors in."""
         step = pipeline.sync
-        assert isinstance(step, ShardedStep)
+        assert isinstance(step, PieceUpdate)
         plan = step.plan
         self.swap_out()
         self._bind(plan, tensors)
         self._step = step
-        for t, ok in zip(tensors, outcome.present):
-            if not outcome.applies or not ok or self.stage == 2:
-                t.grad = None
-            elif t.grad is None:
-                t.grad = t.detach().new_zeros(t.shape)
-            else:
-                t.grad.zero_()
-        if not outcome.applies:
+        if self.stage == 1:  # the whole average, as zero=0; the shard gradients view it
+            super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
+        else:
+            for t, ok in zip(tensors, outcome.present):
+                t.grad = sharded_grad(t.detach()) if outcome.applies and ok and not skipped else None
+        if skipped or not outcome.applies:
             return
         for p, s in zip(plan.pieces, self.shards):
-            if outcome.present[p.index]:
-                s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
-                t = tensors[p.index]
-                if self.stage == 1:
-                    t.grad.view(-1)[p.start:p.stop] = s.grad
-            else:
+            t = tensors[p.index]
+            if not outcome.present[p.index]:
                 s.grad = None
+            elif isinstance(step, ShardedStep):
+                s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
+            else:
+                s.grad = t.grad.view(-1)[p.start:p.stop]
         self._swap_in()
 
     def _swap_in(self) -> None:
@@ -164,6 +213,17 @@ class ShardedTorchStep(GradientSink):
         self.swapped, self._real = False, []
         self.local.real_groups = None
 
+    def before_zero_grad(self) -> None:
+        """Give the inner optimizer its own groups back and drop stage 2's placeholders, so ``zero_grad``
+        (``set_to_none`` or not) works as without sharding."""
+        self.swap_out()
+        self._drop_placeholders()
+
+    def _drop_placeholders(self) -> None:
+        for t in self.tensors:
+            if is_sharded_grad(t.grad):
+                t.grad = None
+
     @contextmanager
     def unswapped(self) -> Iterator[None]:
         """The inner optimizer with its own groups inside the block (a state dict between backward and
@@ -183,6 +243,7 @@ class ShardedTorchStep(GradientSink):
         step, self._step = self._step, None
         for s in self.shards:
             s.grad = None
+        self._drop_placeholders()
         if not applied or step is None:
             return
         self.wait()

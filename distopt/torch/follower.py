@@ -332,7 +332,7 @@ class Follower:
     def zero_grad(self, set_to_none: bool) -> None:
         """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
         self.drain(outside_backward=True)
-        self.sink.swap_out()
+        self.sink.before_zero_grad()
         self.local.optimizer.zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:

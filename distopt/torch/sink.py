@@ -54,7 +54,7 @@ class GradientSink:
     def after_step(self, applied: bool) -> None:
         """After the inner optimizer's ``step()`` (``applied``: it was not skipped)."""
 
-    def swap_out(self) -> None:
+    def before_zero_grad(self) -> None:
         """Before ``zero_grad``: the inner optimizer's parameter groups are its own (they always are here)."""
 
     def wait(self, tensors: Sequence[Any] | None = None) -> None:

@@ -1,0 +1,78 @@
+"""Where training scripts touch a sharded optimizer: ``.grad`` and clipping (H69), state loaded before the wrap.
+
+Stage 1 keeps the whole averaged gradient in ``.grad``, so torch's clipping and any edit act on what
+the update reads and give ``zero=0``'s result; stage 2 keeps the gradient sharded and any use of the
+``.grad`` placeholder raises on every rank, naming ``opt.clip_grad_norm_``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support import zero_seam_cases as cases
+from tests.support.backends import run_case, tiered
+
+torch = pytest.importorskip("torch")
+
+BACKENDS = tiered(["sim", "mpi", "shm", "torch"])
+TORCH_MODES = ["torch", "torch-inf", "value", "zero-grads"]
+
+
+def _reference(backend: str, world: int, mode: str) -> list[dict]:
+    """zero=0 with torch's own clipping (the distopt modes clip as torch does, by the global norm)."""
+    ref_mode = {"distopt": "torch", "distopt-inf": "torch-inf"}.get(mode, mode)
+    return run_case(backend, world, cases.case_h69_clipping, 0, ref_mode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_h69_distopt_clipping_equals_torch_clipping_at_zero0(backend, zero):
+    for mode in ("distopt", "distopt-inf"):
+        ref = _reference(backend, 2, mode)
+        got = run_case(backend, 2, cases.case_h69_clipping, zero, mode)
+        for r in range(2):
+            assert "error" not in got[r], got[r]
+            np.testing.assert_allclose(got[r]["norms"], ref[r]["norms"], rtol=1e-5, err_msg=f"{mode} rank {r}")
+            for a, b in zip(got[r]["params"], ref[r]["params"]):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=f"{mode} rank {r}")
+            assert ref[r]["norms"][0] > 0.05  # the clip is active
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_h69_torch_clipping_and_grad_edits_at_zero1_equal_zero0(backend):
+    for mode in TORCH_MODES:
+        ref = _reference(backend, 2, mode)
+        got = run_case(backend, 2, cases.case_h69_clipping, 1, mode)
+        for r in range(2):
+            assert "error" not in got[r], got[r]
+            assert got[r]["norms"] == ref[r]["norms"], (mode, r)  # the global norm, not a shard's
+            for i, (a, b) in enumerate(zip(got[r]["params"], ref[r]["params"])):
+                assert np.array_equal(a, b), f"{mode}: rank {r} parameter {i} differs from zero=0"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_h69_torch_clipping_and_grad_edits_at_zero2_raise_on_every_rank(backend):
+    for mode in TORCH_MODES:
+        got = run_case(backend, 2, cases.case_h69_clipping, 2, mode)
+        for r in range(2):
+            assert "error" in got[r], f"{mode}: rank {r} did not raise"
+            assert "opt.clip_grad_norm_" in got[r]["error"] and "zero=2" in got[r]["error"], got[r]["error"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_state_loaded_before_the_wrap_is_kept_and_sharded(world, zero, optimizer):
+    ref = run_case("sim", world, cases.case_state_before_wrap, 0, optimizer)
+    got = run_case("sim", world, cases.case_state_before_wrap, zero, optimizer)
+    for r in range(world):
+        for i, (a, b) in enumerate(zip(got[r]["params"], ref[r]["params"])):
+            if world <= 2:
+                assert np.array_equal(a, b), f"rank {r} parameter {i} differs from zero=0"
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert sorted(got[r]["state"]) == sorted(ref[r]["state"])
+        for n, entry in ref[r]["state"].items():
+            for k, v in entry.items():
+                np.testing.assert_allclose(got[r]["state"][n][k], v, rtol=1e-5, atol=1e-7, err_msg=f"{n}.{k}")

@@ -1,0 +1,98 @@
+"""Cases where real training scripts touch a sharded optimizer (``DistOpt(zero=1|2)``): ``.grad``, clipping,
+state loaded before the wrap. Run by ``tests/sharding/test_zero_seams.py`` on any backend; each case is
+``fn(rank, comm, *args)`` and returns plain data."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import distopt
+
+
+def _mlp(sizes: tuple[int, ...], seed: int = 0) -> Any:
+    import torch
+
+    layers: list[Any] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    rng = np.random.default_rng(seed)  # not torch's global generator: the simulated ranks are threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(rng.uniform(-0.5, 0.5, tuple(p.shape)).astype(np.float32)))
+    return model
+
+
+def _data(rank: int, step: int, rows: int, cols: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows + rank, cols, generator=g)  # rank-dependent data and batch size
+
+
+def case_h69_clipping(rank: int, comm: Any, zero: int, mode: str) -> dict[str, Any]:
+    """H69: MLP 8-32-32-4, SGD(lr 1.0), buffSize=128, 2 steps, clipping by ``mode`` between backward and
+    step: ``distopt`` (``opt.clip_grad_norm_(0.05)``), ``distopt-inf`` (the same, ``norm_type=inf``),
+    ``torch`` (``torch.nn.utils.clip_grad_norm_``), ``torch-inf``, ``value`` (``clip_grad_value_(1e-3)``),
+    ``zero-grads`` (``p.grad.mul_(0)``). Returns the parameters and norms, or the error raised."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _mlp((8, 32, 32, 4))
+    opt = distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=1.0), comm=comm, zero=zero, buffSize=128,
+                          model=model)
+    norms = []
+    try:
+        for s in range(2):
+            opt.zero_grad()
+            model(_data(rank, s, 5, 8)).pow(2).mean().backward()
+            if mode == "distopt":
+                norms.append(float(opt.clip_grad_norm_(0.05)))
+            elif mode == "distopt-inf":
+                norms.append(float(opt.clip_grad_norm_(0.05, norm_type=float("inf"))))
+            elif mode == "torch":
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            elif mode == "torch-inf":
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type="inf")))
+            elif mode == "value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            elif mode == "zero-grads":
+                for p in model.parameters():
+                    p.grad.mul_(0)
+            opt.step()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"params": [p.detach().clone().numpy() for p in model.parameters()], "norms": norms}
+
+
+def case_state_before_wrap(rank: int, comm: Any, zero: int, optimizer: str) -> dict[str, Any]:
+    """An optimizer trained 2 steps alone on rank 0's data (the same on every rank), its state saved and
+    loaded into a fresh torch optimizer BEFORE ``DistOpt(opt, zero=zero)`` wraps it (a ``--resume`` of
+    most DDP scripts), then 2 distributed steps. Returns the parameters and the consolidated state."""
+    import torch
+
+    torch.set_num_threads(1)
+
+    def make(params: Any) -> Any:
+        if optimizer == "adam":
+            return torch.optim.Adam(params, lr=0.01)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    model = _mlp((6, 16, 3))
+    warm = make(model.parameters())
+    for s in range(2):
+        warm.zero_grad()
+        model(_data(0, 10 + s, 4, 6)).pow(2).mean().backward()
+        warm.step()
+    saved = warm.state_dict()
+    inner = make(model.parameters())
+    inner.load_state_dict(saved)
+    opt = distopt.DistOpt(inner, comm=comm, zero=zero, buffSize=32, model=model)
+    for s in range(2):
+        opt.zero_grad()
+        model(_data(rank, s, 4, 6)).pow(2).mean().backward()
+        opt.step()
+    state = opt.state_dict()
+    return {"params": [p.detach().clone().numpy() for p in model.parameters()],
+            "state": {n: {k: np.asarray(v) for k, v in entry.items()} for n, entry in state["state"].items()}}

@@ -135,9 +135,10 @@ class DistOpt(SingaMethods, CollectiveMethods):
                              bool(divide_by_initial_world_size), bucket_sync(zero, self.comm))
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
+        counters = self._counters
         sink, sharded_state = (torch_sharding(zero, self.comm, local, overlap_param_gather, model,
-                                              gradient_as_bucket_view) if isinstance(local, TorchOptimizer)
-                               else (None, None))
+                                              gradient_as_bucket_view, lambda: counters.steps)
+                               if isinstance(local, TorchOptimizer) else (None, None))
         self._state = StepState(local, self._counters, strategies, sharded_state)
         self._collectives = Collectives(self.comm, self.engine, local)
         self.sampler: Any = None

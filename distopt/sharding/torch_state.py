@@ -1,13 +1,42 @@
 """A sharded torch optimizer's checkpoints (:class:`ShardedState`) and its wiring (:func:`torch_sharding`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
+from ..comm.consensus import agree
 from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
 from .torch_step import ShardedTorchStep, check_elementwise, consolidate, gather_objects
 
-__all__ = ["ShardedState", "torch_sharding"]
+__all__ = ["ShardedState", "torch_sharding", "check_shards"]
+
+
+def check_shards(shards: Sequence[Any]) -> None:
+    """Refuse a list of sharded states that is not one checkpoint's every rank, each once.
+
+    Args:
+        shards: the ``"distopt_shard"`` entries (``world_size``, ``rank``, ``steps``, ``pieces``).
+
+    Raises:
+        ValueError: the entries disagree on the world size or the step they
+            were saved at (a stale shard), a rank's shard is missing, or one
+            appears twice; the message names the ranks and values.
+    """
+    sizes = sorted({s["world_size"] for s in shards})
+    if len(sizes) != 1:
+        raise ValueError("the sharded states were saved at different world sizes "
+                         f"({[s['world_size'] for s in shards]}, in list order): load one checkpoint's shards")
+    ranks = [s["rank"] for s in shards]
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    missing = sorted(set(range(sizes[0])) - set(ranks))
+    if twice or missing:
+        raise ValueError(f"a checkpoint saved at world size {sizes[0]} needs each rank's sharded state once, in "
+                         f"any order; got ranks {ranks}" + (f": rank(s) {twice} twice" if twice else "")
+                         + (f": rank(s) {missing} missing" if missing else ""))
+    steps = {s["rank"]: s.get("steps") for s in shards}
+    if len(set(steps.values())) != 1:
+        raise ValueError(f"the sharded states were saved at different steps (rank: steps {steps}): a stale "
+                         "shard; load every rank's shard of the same checkpoint")
 
 
 class ShardedState:
@@ -17,16 +46,18 @@ class ShardedState:
     (collective: one all-gather of the pickled pieces), so the result loads
     into the same optimizer unsharded, at any world size, or into plain
     torch; ``sharded=True`` gives this rank's pieces only, under
-    ``"distopt_shard"`` (``{"world_size", "rank", "pieces"}``, each piece
-    ``(parameter number, start, stop, state)``).
+    ``"distopt_shard"`` (``{"world_size", "rank", "steps", "pieces"}``, each
+    piece ``(parameter number, start, stop, state)``). Loads check that the
+    shards are one checkpoint's (:func:`check_shards`).
 
     Args:
         shards: the :class:`ShardedTorchStep`.
         comm: the communicator.
+        steps: the number of steps applied so far (``DistOpt.stats["steps"]``).
     """
 
-    def __init__(self, shards: ShardedTorchStep, comm: Any) -> None:
-        self.shards, self.comm = shards, comm
+    def __init__(self, shards: ShardedTorchStep, comm: Any, steps: Callable[[], int]) -> None:
+        self.shards, self.comm, self.steps = shards, comm, steps
         self._pending: dict[int, dict[str, Any]] | None = None
 
     def _as_torch(self, per_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -51,7 +82,7 @@ class ShardedState:
         pieces = self.shards.pieces()
         if sharded:
             return {**self._as_torch({}), "distopt_shard": {"world_size": self.comm.size, "rank": self.comm.rank,
-                                                            "pieces": pieces}}
+                                                            "steps": self.steps(), "pieces": pieces}}
         shapes = [tuple(p.shape) for p in self.shards.local.params()]
         full = consolidate(gather_objects(self.comm, pieces), shapes)
         if self._pending is not None:  # restored before any step: not re-sharded yet
@@ -62,8 +93,13 @@ class ShardedState:
         """Restore a consolidated state (any world size), this rank's own sharded state, or the list of
         every rank's sharded states (any world size).
 
+        Collective with a sharded state (every rank loads its own, and the
+        ranks agree that they are of the same step).
+
         Raises:
-            ValueError: a single sharded state of another rank or world size.
+            ValueError: a single sharded state of another rank or world size,
+                or of another step than another rank's (on every rank); a list
+                that is not one checkpoint's every rank once (:func:`check_shards`).
         """
         self.shards.wait()
         with self.shards.unswapped():
@@ -73,15 +109,20 @@ class ShardedState:
         opt = self.shards.local.optimizer
         params = self.shards.local.params()
         if isinstance(state, (list, tuple)):
+            check_shards([s["distopt_shard"] for s in state])
             shapes = [tuple(p.shape) for p in params]
             full = consolidate([s["distopt_shard"]["pieces"] for s in state], shapes)
             opt.load_state_dict(self._as_torch(full) | {"param_groups": state[0]["param_groups"]})
         elif "distopt_shard" in state:
             mine = state["distopt_shard"]
+            problem = None
             if (mine["world_size"], mine["rank"]) != (self.comm.size, self.comm.rank):
-                raise ValueError(f"state is rank {mine['rank']} of {mine['world_size']}'s shard; this is rank "
-                                 f"{self.comm.rank} of {self.comm.size}: load the list of every rank's sharded "
-                                 "state, or a consolidated one")
+                problem = ValueError(f"state is rank {mine['rank']} of {mine['world_size']}'s shard; this is rank "
+                                     f"{self.comm.rank} of {self.comm.size}: load the list of every rank's sharded "
+                                     "state, or a consolidated one")
+            agree(self.comm, {"the step of the sharded state loaded": mine.get("steps")},
+                  call="load_state_dict(sharded state)", error=ValueError, problem=problem,
+                  hint="a stale shard: every rank loads its shard of the same checkpoint")
             shapes = [tuple(p.shape) for p in params]
             opt.load_state_dict({**self._as_torch(consolidate([mine["pieces"]], shapes)),
                                  "param_groups": state["param_groups"]})
@@ -112,7 +153,7 @@ class ShardedState:
 
 
 def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_gather: bool, model: Any,
-                   bucket_view: bool) -> tuple[GradientSink, ShardedState | None]:
+                   bucket_view: bool, steps: Callable[[], int]) -> tuple[GradientSink, ShardedState | None]:
     """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
     state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state).
 
@@ -133,6 +174,6 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather:
         local.handles.extend(shards.hook_model(model))
-    state = ShardedState(shards, comm)
+    state = ShardedState(shards, comm, steps)
     state.adopt_existing()
     return shards, state

@@ -76,3 +76,29 @@ def test_state_loaded_before_the_wrap_is_kept_and_sharded(world, zero, optimizer
         for n, entry in ref[r]["state"].items():
             for k, v in entry.items():
                 np.testing.assert_allclose(got[r]["state"][n][k], v, rtol=1e-5, atol=1e-7, err_msg=f"{n}.{k}")
+
+
+def _same_state(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for n, entry in want.items():
+        for k, v in entry.items():
+            assert np.array_equal(got[n][k], v), f"parameter {n} {k} differs from the saved state"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_h87_sharded_checkpoint_with_a_missing_stale_or_duplicated_shard(backend):
+    saved = run_case(backend, 2, cases.case_h87_save)
+    s2, s4 = [r["shard2"] for r in saved], [r["shard4"] for r in saved]
+    want = saved[0]["full4"]
+    for label, blobs in (("a", [s4[0], s4[1]]), ("d", [s4[1], s4[0]])):
+        for r, res in enumerate(run_case(backend, 3, cases.case_h87_load, blobs)):
+            assert "error" not in res, (label, r, res)
+            _same_state(res["full"], want)
+    bad = {"b": (3, [s4[0]], "rank(s) [1] missing"),
+           "c": (3, [s4[0], s2[1]], "different steps"),
+           "e": (2, {"own": [s4[0], s2[1]]}, "a stale shard"),
+           "f": (2, [s4[0], s4[0]], "rank(s) [0] twice")}
+    for label, (world, blobs, text) in bad.items():
+        for r, res in enumerate(run_case(backend, world, cases.case_h87_load, blobs)):
+            assert "error" in res, f"({label}) rank {r} loaded silently"
+            assert text in res["error"], (label, r, res["error"])

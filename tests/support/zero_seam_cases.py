@@ -96,3 +96,62 @@ def case_state_before_wrap(rank: int, comm: Any, zero: int, optimizer: str) -> d
     state = opt.state_dict()
     return {"params": [p.detach().clone().numpy() for p in model.parameters()],
             "state": {n: {k: np.asarray(v) for k, v in entry.items()} for n, entry in state["state"].items()}}
+
+
+def _h87_opt(comm: Any) -> tuple[Any, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    model = _mlp((6, 32, 32, 2))
+    return model, distopt.DistOpt(torch.optim.Adam(model.parameters(), lr=0.01), comm=comm, zero=1, buffSize=128,
+                                  model=model)
+
+
+def _h87_step(model: Any, opt: Any, rank: int, s: int) -> None:
+    opt.zero_grad()
+    model(_data(rank, s, 4, 6)).pow(2).mean().backward()
+    opt.step()
+
+
+def case_h87_save(rank: int, comm: Any) -> dict[str, Any]:
+    """H87's checkpoints: W ranks of zero=1 Adam save ``state_dict(sharded=True)`` after steps 2 and 4
+    (``torch.save`` bytes), with the consolidated state after step 4 and the parameters after steps 2 and 4."""
+    import io
+
+    import torch
+
+    model, opt = _h87_opt(comm)
+    out: dict[str, Any] = {}
+    for s in range(4):
+        _h87_step(model, opt, rank, s)
+        if s in (1, 3):
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(sharded=True), buf)
+            out[f"shard{s + 1}"] = buf.getvalue()
+            out[f"params{s + 1}"] = [p.detach().clone().numpy() for p in model.parameters()]
+    full = opt.state_dict()
+    out["full4"] = {n: {k: np.asarray(v) for k, v in e.items()} for n, e in full["state"].items()}
+    return out
+
+
+def case_h87_load(rank: int, comm: Any, blobs: Any) -> dict[str, Any]:
+    """Load ``blobs`` into a fresh zero=1 DistOpt: a list of ``torch.save`` bytes (every rank the same
+    list), or a list with one entry per rank (``blobs[rank]`` alone, each rank its own file). Returns the
+    consolidated state, or the error raised."""
+    import io
+
+    import torch
+
+    model, opt = _h87_opt(comm)
+    def load(b: bytes) -> Any:
+        return torch.load(io.BytesIO(b), weights_only=True)
+
+    try:
+        if isinstance(blobs, dict):
+            opt.load_state_dict(load(blobs["own"][rank]))
+        else:
+            opt.load_state_dict([load(b) for b in blobs])
+    except ValueError as exc:
+        return {"error": str(exc)}
+    full = opt.state_dict()
+    return {"full": {n: {k: np.asarray(v) for k, v in e.items()} for n, e in full["state"].items()}}

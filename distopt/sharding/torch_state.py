@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..comm.consensus import agree
+from ..comm.consensus import agree, gather_objects
 from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
-from .torch_step import ShardedTorchStep, check_elementwise, consolidate, gather_objects
+from .torch_step import ShardedTorchStep, check_elementwise, consolidate
 
 __all__ = ["ShardedState", "torch_sharding", "check_shards"]
 

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..comm.consensus import gather_objects
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..torch.adapter import TorchOptimizer, as_array, as_tensor
@@ -39,7 +40,7 @@ from .gather import ParamGather
 from .plan import ShardPlan
 from .sync import PieceUpdate, ShardedStep
 
-__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "gather_objects", "sharded_grad",
+__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "sharded_grad",
            "is_sharded_grad", "ELEMENTWISE"]
 
 #: torch.optim classes whose update is elementwise (each element's new value depends on that element only).
@@ -360,11 +361,3 @@ def consolidate(entries: Sequence[Sequence[tuple[int, int, int, Any]]], shapes: 
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == int(np.prod(shapes[number])):
                 entry[k] = v.reshape(shapes[number])
     return full
-
-
-def gather_objects(comm: Any, obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (pickled; collective), in rank order."""
-    import pickle
-
-    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    return [pickle.loads(part.tobytes()) for part in comm.all_gather_v(blob)]

@@ -46,7 +46,8 @@ from ..errors import CollectiveMismatchError
 from ..sharding.plan import ShardPlan
 from ..sharding.sync import BucketSync
 from ..strategies.base import GradientStrategy
-from .agreement import GroupSettings, check_same, digest
+from ..comm.consensus import digest
+from .agreement import GroupSettings, check_same
 from .outcome import Agreement, Outcome, Pending, not_finite
 from .pipeline import BucketPipeline, Launcher
 

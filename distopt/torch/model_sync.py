@@ -7,13 +7,13 @@ and in ``opt.broadcast_state()``.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from ..core.buckets import is_float, pack, plan_buckets, unpack
 from ..comm.base import Communicator
+from ..comm.consensus import agree
 from ..metrics import broadcast_object
 from ..step.engine import DEFAULT_THRESHOLD, Engine
 from ..errors import CollectiveMismatchError
@@ -23,23 +23,15 @@ __all__ = ["ModelSync", "check_names", "broadcast_arrays", "average_arrays", "na
 
 
 def check_names(comm: Communicator, names: Sequence[str], what: str) -> None:
-    """Compare ``names`` (in order) across ranks (one variable-length all-gather).
+    """Compare ``names`` (in order) across ranks (collective: :func:`~distopt.comm.consensus.agree`).
 
     Raises:
         CollectiveMismatchError: on every rank, naming the first position
-            where rank 0 and another rank differ, and the fix.
+            where the ranks differ, every rank's name there, and the fix.
     """
-    blob = np.frombuffer(json.dumps(list(names)).encode(), dtype=np.uint8).copy()
-    everyone = [json.loads(b.tobytes()) for b in comm.all_gather_v(blob)]
-    ref = everyone[0]
-    for r, other in enumerate(everyone[1:], start=1):
-        for i in range(max(len(ref), len(other))):
-            a = ref[i] if i < len(ref) else "(none)"
-            b = other[i] if i < len(other) else "(none)"
-            if a != b:
-                raise CollectiveMismatchError(
-                    f"{what} #{i} differs across ranks: rank 0 has {a!r}, rank {r} has {b!r}; every rank must "
-                    "build the same model and give the optimizer its parameters in the same order")
+    fields: dict[str, Any] = {f"{what} #{i}": name for i, name in enumerate(names)}
+    agree(comm, fields, call="model check", error=CollectiveMismatchError, show=repr,
+          hint="every rank must build the same model and give the optimizer its parameters in the same order")
 
 
 def broadcast_arrays(comm: Communicator, arrays: Sequence[Any], root: int = 0) -> None:

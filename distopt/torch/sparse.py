@@ -50,7 +50,7 @@ import numpy as np
 
 from ..core._array import xp_of
 from ..errors import CollectiveMismatchError
-from ..step.agreement import digest
+from ..comm.consensus import digest
 from ..step.engine import Engine
 from ..step.outcome import Outcome
 from .adapter import as_array, as_tensor

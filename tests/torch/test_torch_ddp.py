@@ -255,7 +255,7 @@ def test_model_names_differ_raise_on_every_rank():
         return "no error"
 
     for msg in run_world(W, rank_fn):
-        assert "rank 0 has '0.weight', rank 1 has 'first.weight'" in msg, msg
+        assert "rank 0: '0.weight', rank 1: 'first.weight'" in msg, msg
 
 
 def test_close_removes_the_hooks_from_the_model_and_optimizer():

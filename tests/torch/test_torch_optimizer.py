@@ -83,7 +83,7 @@ def _check_lbfgs(results: list[Any], line_search: str | None, world: int) -> Non
 def test_learning_rates_that_drift_apart_raise_on_every_rank(world: int):
     messages = run_case("sim", world, cases.case_lr_mismatch)
     for m in messages:
-        assert "param_groups[0]['lr']" in m and "rank 0 has 0.1" in m, m
+        assert "param_groups[0]['lr']" in m and "rank 0: 0.1" in m, m
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -125,9 +125,11 @@ class ShardedTorchStep(GradientSink):
     Attributes:
         swapped: the inner optimizer's groups hold the shard tensors now.
         densify: True: a sparse gradient is reduced densely in its bucket.
+        shards_optimizer: True: no parameter may be shared with another DistOpt.
     """
 
     densify = True
+    shards_optimizer = True
 
     def __init__(self, comm: Any, local: TorchOptimizer, stage: int, overlap_param_gather: bool) -> None:
         self.comm, self.local, self.stage, self.overlap = comm, local, stage, overlap_param_gather

@@ -71,7 +71,7 @@ from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .closure import averaged_closure
 from .nested import inside_nested_backward
-from .owners import claim, release
+from .owners import check_sharing, claim, release
 from .sink import GradientSink
 from .sparse import SparseGrads
 from .step_record import BackwardRecord, Phase, StepRecord
@@ -121,6 +121,8 @@ class Follower:
         self._stale: BucketPipeline | None = None
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
+        check_sharing(local.params(), self, lambda indices: [f"#{i} {tuple(local.params()[i].shape)}"
+                                                               for i in indices])
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)

@@ -23,9 +23,12 @@ class GradientSink:
     Attributes:
         densify: sparse gradients must be reduced densely, in the buckets
             (False here: they may be averaged as sparse).
+        shards_optimizer: the optimizer is sharded (False here): a parameter may not
+            be shared with another DistOpt (:func:`~distopt.torch.owners.check_sharing`).
     """
 
     densify = False
+    shards_optimizer = False
 
     def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],  # noqa: ARG002
               outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:

@@ -102,3 +102,13 @@ def test_h87_sharded_checkpoint_with_a_missing_stale_or_duplicated_shard(backend
         for r, res in enumerate(run_case(backend, world, cases.case_h87_load, blobs)):
             assert "error" in res, f"({label}) rank {r} loaded silently"
             assert text in res["error"], (label, r, res["error"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("first, second", [(1, 0), (0, 1), (2, 2), (0, 0)])
+def test_overlapping_distopts_with_a_sharded_one_are_refused_at_construction(first, second):
+    for r, text in enumerate(run_case("sim", 2, cases.case_overlapping, first, second)):
+        if first == second == 0:
+            assert text == "built", text  # zero=0 shares: the first built averages (tested elsewhere)
+        else:
+            assert "parameters ['#0 (8, 4)', '#1 (8,)'] belong to another live DistOpt" in text, (r, text)

@@ -155,3 +155,17 @@ def case_h87_load(rank: int, comm: Any, blobs: Any) -> dict[str, Any]:
         return {"error": str(exc)}
     full = opt.state_dict()
     return {"full": {n: {k: np.asarray(v) for k, v in e.items()} for n, e in full["state"].items()}}
+
+
+def case_overlapping(rank: int, comm: Any, first: int, second: int) -> str:
+    """Two DistOpts over overlapping parameters (the second over a subset), ``zero=first`` then
+    ``zero=second``: the error text of the second's construction, or "built"."""
+    import torch
+
+    model = _mlp((4, 8, 2))
+    distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, zero=first)
+    try:
+        distopt.DistOpt(torch.optim.SGD(list(model.parameters())[:2], lr=0.1), comm=comm, zero=second)
+    except ValueError as exc:
+        return str(exc)
+    return "built"

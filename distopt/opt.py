@@ -305,6 +305,16 @@ class DistOpt(SingaMethods, CollectiveMethods):
         consolidated on every rank (collective), or only this rank's shard with ``sharded=True``."""
         return self._state.state_dict(self.sampler, sharded)
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """With ``zero=1|2``: consolidate the state now, on every rank (collective), so that rank ``to``
+        ALONE may then call :meth:`state_dict` (a rank-0-only checkpoint writer) until the next step, as
+        torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``. Nothing to do at ``zero=0``.
+
+        Raises:
+            ValueError: ``to`` is not a rank.
+        """
+        self._state.consolidate_state_dict(to)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError for another format (an older distopt)."""
         self._state.load_state_dict(state, self.sampler)

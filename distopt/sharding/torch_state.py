@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..comm.consensus import agree, gather_objects
+from ..errors import CollectiveTimeoutError
 from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
 from .torch_step import ShardedTorchStep, check_elementwise, consolidate
@@ -58,6 +59,7 @@ class ShardedState:
 
     def __init__(self, shards: ShardedTorchStep, comm: Any, steps: Callable[[], int]) -> None:
         self.shards, self.comm, self.steps = shards, comm, steps
+        self._held: tuple[int, dict[str, Any]] | None = None  # (steps, consolidated state) kept on one rank
         self._pending: dict[int, dict[str, Any]] | None = None
 
     def _as_torch(self, per_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -72,11 +74,38 @@ class ShardedState:
         finally:
             opt.state = saved
 
+    def consolidate(self, to: int) -> None:
+        """Consolidate the state now, on every rank (collective), and keep it on rank ``to`` only, so that
+        rank alone may call :meth:`state_dict` until the next step (torch's ``ZeroRedundancyOptimizer.
+        consolidate_state_dict``: a checkpoint writer that runs on rank 0 only).
+
+        Raises:
+            ValueError: ``to`` is not a rank (on every rank).
+        """
+        if not 0 <= to < self.comm.size:
+            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank, 0 <= to < {self.comm.size}")
+        state = self.state_dict(sharded=False)
+        self._held = (self.steps(), state) if self.comm.rank == to else None
+
     def state_dict(self, sharded: bool) -> dict[str, Any]:
-        """The optimizer's state: consolidated (collective), or this rank's pieces with ``sharded``."""
+        """The optimizer's state: consolidated (collective, unless :meth:`consolidate` kept it on this rank
+        since the last step), or this rank's pieces with ``sharded``.
+
+        Raises:
+            CollectiveTimeoutError: the other ranks did not call it within the
+                communicator's timeout; the message names the fix.
+        """
+        if not sharded and self._held is not None and self._held[0] == self.steps():
+            return self._held[1]
         self.shards.wait()
         with self.shards.unswapped():
-            return self._state_dict(sharded)
+            try:
+                return self._state_dict(sharded)
+            except CollectiveTimeoutError as exc:
+                raise CollectiveTimeoutError(
+                    f"{exc}; with zero=1|2, state_dict() consolidates every rank's shard: call it on every rank, "
+                    "or call opt.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 "
+                    "alone (a rank-0-only checkpoint writer)") from exc
 
     def _state_dict(self, sharded: bool) -> dict[str, Any]:
         pieces = self.shards.pieces()
@@ -102,6 +131,7 @@ class ShardedState:
                 that is not one checkpoint's every rank once (:func:`check_shards`).
         """
         self.shards.wait()
+        self._held = None
         with self.shards.unswapped():
             self._load(state)
 

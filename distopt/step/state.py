@@ -18,6 +18,8 @@ class ShardedStateLike(Protocol):
 
     def load_state_dict(self, state: Any) -> None: ...
 
+    def consolidate(self, to: int) -> None: ...
+
 
 #: Version of :meth:`StepState.state_dict`'s layout (2: strategies own their state).
 STATE_FORMAT = 2
@@ -74,6 +76,12 @@ class StepState:
             local = self.local.state_dict() if self.sharding is None else self.sharding.state_dict(sharded)
             return to_portable({**local, "distopt": extras})
         return to_portable({**extras, "local": self.local.state_dict()})
+
+    def consolidate_state_dict(self, to: int) -> None:
+        """A sharded optimizer: consolidate now (collective) and keep the state on rank ``to`` for a
+        :meth:`state_dict` there alone until the next step; nothing to do otherwise (the state is local)."""
+        if self.sharding is not None:
+            self.sharding.consolidate(to)
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], sampler: Any = None) -> None:
         """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict; a sharded

@@ -112,3 +112,21 @@ def test_overlapping_distopts_with_a_sharded_one_are_refused_at_construction(fir
             assert text == "built", text  # zero=0 shares: the first built averages (tested elsewhere)
         else:
             assert "parameters ['#0 (8, 4)', '#1 (8,)'] belong to another live DistOpt" in text, (r, text)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("zero", [1, 2])
+def test_rank0_only_state_dict_after_consolidate_state_dict_equals_zero0(zero):
+    ref = run_case("sim", 2, cases.case_rank0_writer, 0, False)[0]["state"]
+    got = run_case("sim", 2, cases.case_rank0_writer, zero, True)[0]
+    assert "error" not in got, got
+    assert sorted(got["state"]) == sorted(ref)
+    for n, entry in ref.items():
+        for k, v in entry.items():
+            assert np.array_equal(got["state"][n][k], v), f"parameter {n} {k}"
+
+
+@pytest.mark.unit
+def test_rank0_only_state_dict_without_consolidate_fails_naming_the_fix():
+    got = run_case("sim", 2, cases.case_rank0_writer, 1, False)[0]
+    assert "consolidate_state_dict(to=0)" in got["error"] and "state_dict()" in got["error"], got

@@ -169,3 +169,29 @@ def case_overlapping(rank: int, comm: Any, first: int, second: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "built"
+
+
+def case_rank0_writer(rank: int, comm: Any, zero: int, consolidate: bool) -> dict[str, Any]:
+    """A rank-0-only checkpoint writer (timm's saver): 2 steps, then ``consolidate_state_dict(to=0)`` on every
+    rank (if ``consolidate``), then ``state_dict()`` on rank 0 alone. Returns rank 0's state (its Adam
+    moments), or the error raised; every rank then checks its replicas with one collective."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _mlp((6, 16, 3))
+    opt = distopt.DistOpt(torch.optim.Adam(model.parameters(), lr=0.01), comm=comm, zero=zero, buffSize=32,
+                          model=model, timeout=3.0)
+    for s in range(2):
+        opt.zero_grad()
+        model(_data(rank, s, 4, 6)).pow(2).mean().backward()
+        opt.step()
+    out: dict[str, Any] = {}
+    if consolidate:
+        opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        try:
+            state = opt.state_dict()
+            out["state"] = {n: {k: np.asarray(v) for k, v in e.items()} for n, e in state["state"].items()}
+        except distopt.CollectiveTimeoutError as exc:
+            out["error"] = str(exc)
+    return out

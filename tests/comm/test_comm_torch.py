@@ -1,4 +1,4 @@
-"""The torch.distributed backend: conformance at 1, 2 and 4 spawned processes, timeouts, close."""
+"""The torch.distributed backend: conformance at 1, 2 and 4 processes (the torch pools), timeouts, close."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,8 @@ from tests.support.backends import run_case  # noqa: E402
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 @pytest.mark.world
 def test_conformance(nprocs):
-    spawn(torch_workers.conformance_worker, nprocs, (torch_workers.free_port(),), timeout=100)
+    """On the torch pool of W = nprocs (a new default process group on a new port per case)."""
+    assert run_case("torch", nprocs, torch_workers.conformance_case, timeout=100) == [len(conformance.CHECKS)] * nprocs
 
 
 @pytest.mark.timeout(150)

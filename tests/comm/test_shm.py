@@ -1,4 +1,4 @@
-"""The shared-memory backend: conformance at 1, 2 and 4 processes, failures, cleanup."""
+"""The shared-memory backend: conformance at 1, 2 and 4 processes (the shm pools), failures, cleanup."""
 from __future__ import annotations
 
 import multiprocessing
@@ -20,9 +20,9 @@ from tests.support.shm_workers import job_segments
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 @pytest.mark.world
 def test_conformance(nprocs):
-    holder = NcclIdHolder()
-    spawn(shm_workers.conformance_worker, nprocs, nccl_id=holder, timeout=50)
-    assert job_segments(holder.job_id) == []
+    """On the shm pool of W = nprocs (a fresh job id per case): every check, then nothing left in /dev/shm."""
+    job_ids = run_case("shm", nprocs, shm_workers.conformance_case, timeout=50)
+    assert len(set(job_ids)) == 1 and job_segments(job_ids[0]) == []
 
 
 @pytest.mark.timeout(120)

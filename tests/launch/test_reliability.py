@@ -15,7 +15,8 @@ timeout is the expected outcome, the collective deadline is 3 s.
 The programs run under ``mpiexec`` are plain scripts in ``tests/support/faults/``
 (so an uncaught exception reaches ``sys.excepthook``); the shm workers are
 in :mod:`tests.support.faults.shm_faults`; the inner MPI suite for NaN skipping, H24
-and strategy-mismatch messages is ``tests/support/mpi/mpi_checkpoint.py``.
+and strategy-mismatch messages (``tests/support/mpi/mpi_checkpoint.py``) runs on the MPI pool
+(tests/face/test_checkpoint_mpi.py).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import pytest
 from distopt.launch import WorkerFailedError, spawn
 from distopt.launch.nccl_id import NcclIdHolder
 from tests.support.faults import shm_faults
-from tests.support.harness import MPI_DIR, rank_streams, run_job
+from tests.support.harness import rank_streams, run_job
 from tests.support.shm_workers import job_segments, pid_alive, run_with_killed_rank
 
 pytestmark = pytest.mark.job
@@ -282,29 +283,6 @@ def test_mismatched_strategy_shm(warm):
         assert text.startswith(f"CollectiveMismatchError: step {step}, "), f"rank {rank}: {text}"
     for rank, (text, _) in seen.items():
         assert "strategy" in text and "'half'" in text and "'plain'" in text, f"rank {rank}: {text}"
-
-
-# ------------------------------------ NaN skipping, H24, mismatch under MPI
-def _inner_suite(n: int, timeout: float = 60.0) -> str:
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=mpi_*.py",
-            "-rsxX", str(MPI_DIR / "mpi_checkpoint.py")]
-    res = run_job(argv, n, timeout, collective_timeout=10.0)
-    assert res.returncode == 0, f"mpi_checkpoint.py failed at -n {n} (exit {res.returncode}):\n{res.stdout[-8000:]}"
-    return res.stdout
-
-
-@pytest.mark.timeout(90)
-def test_mpi_suite_w2_nonfinite_and_mismatch():
-    """check_finite NaN/inf skipping on every rank (plain, half, sparse, partial) and mismatch messages at W=2."""
-    out = rank_streams(_inner_suite(2))[0]
-    assert "12 passed, 1 skipped" in out, out[-4000:]  # 8 non-finite, 4 mismatch; H24 skipped
-
-
-@pytest.mark.timeout(90)
-def test_mpi_suite_w4_h24_checkpoint_writer():
-    """H24 at its stated W=4 (plus the size-agnostic tests again at W=4)."""
-    out = rank_streams(_inner_suite(4))[0]
-    assert "13 passed" in out and "skipped" not in out, out[-4000:]  # H24 really ran
 
 
 # ---------------------------------------------------------- H18 and resume

@@ -1,8 +1,8 @@
 """DistOpt strategies (half, sparse, partial) under real mpiexec jobs.
 
-The inner suite ``tests/support/mpi/mpi_strategies.py`` runs on every rank at W=2
-and W=4; shared cases stated for W=2 (H12, H14, H17, H18) run in the W=2
-job, H06 (W=4) in the W=4 job, and H07 (W=8) in its own W=8 job that runs
+The inner suite ``tests/support/mpi/mpi_strategies.py`` runs on every rank of the MPI pools
+at W=2 and W=4; shared cases stated for W=2 (H12, H14, H17, H18) run at W=2,
+H06 (W=4) at W=4, and H07 (W=8) in its own W=8 job that runs
 only the H07 test (NumPy only, so 8 ranks on 2 cores take a few seconds).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support.harness import MPI_DIR, run_job
+from tests.support.harness import MPI_DIR, run_job, run_mpi_suite
 
 pytestmark = pytest.mark.world
 
@@ -28,9 +28,10 @@ def _run(n: int, *extra: str, timeout: float = 120.0) -> str:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_strategies(n):
-    out = _run(n)
+    outs = run_mpi_suite(SUITE, n, 120.0)  # on the MPI pool
     if n == 2:  # every case stated for W=2 really ran here
-        assert "stated for W=" not in out, out[-4000:]
+        for out in outs:
+            assert "stated for W=" not in out, out[-4000:]
 
 
 def test_h07_fp16_underflow_at_w8():

@@ -1,11 +1,12 @@
 """Run a pytest suite under ``mpiexec -n N`` with a hard wall-clock limit.
 
-Each rank runs the same inner pytest file (``tests/support/mpi/mpi_*.py``); the inner
-plugin (``tests/support/mpi/conftest.py``) writes, per rank, the test it is in and
-``done`` when the session ends. If the job overruns, every process is killed
-and the failure names the ranks that did not finish and the test each was
-stuck in. Collectives inside use a short ``DISTOPT_TIMEOUT`` so a desync
-turns into an error long before the outer limit.
+:func:`run_job` runs a fresh job: the inner plugin (``tests/support/mpi/conftest.py``)
+of an inner pytest file (``tests/support/mpi/mpi_*.py``) writes, per rank, the test it is
+in and ``done`` when the session ends. If the job overruns, every process is
+killed and the failure names the ranks that did not finish and the test each
+was stuck in. Collectives inside use a short ``DISTOPT_TIMEOUT`` so a desync
+turns into an error long before the outer limit. :func:`run_mpi_suite` runs
+an inner file on the run-long MPI worker pool instead (no job start-up).
 """
 from __future__ import annotations
 
@@ -102,9 +103,49 @@ def rank_streams(out: str) -> dict[int, str]:
     return {r: "".join(chunks) for r, chunks in streams.items()}
 
 
-def run_mpi_suite(suite: str, n: int, timeout: float = 240.0, **kwargs) -> None:
-    """Run ``tests/support/mpi/<suite>`` under ``mpiexec -n n``; fail with its output if any rank fails."""
-    argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            "-o", "python_files=mpi_*.py", str(MPI_DIR / suite)]
-    res = run_job(argv, n, timeout, **kwargs)
-    assert res.returncode == 0, f"{suite} failed at -n {n} (exit {res.returncode}):\n{res.stdout[-8000:]}"
+def suite_case(rank: int, comm, suite: str, extra: tuple[str, ...], collective_timeout: float) -> tuple[int, str]:  # noqa: ARG001
+    """A pool case (:mod:`tests.support.pool`): run the inner suite ``tests/support/mpi/<suite>`` in this
+    rank's worker with ``pytest.main``; returns ``(exit code, the rank's pytest output)``.
+
+    The inner plugin (``tests/support/mpi/conftest.py``) writes the inner test each rank is in to the
+    pool's progress file, so an overrun names the stalled ranks and their tests.
+    """
+    import contextlib
+    import io
+
+    import pytest
+
+    argv = ["-q", "-x", "-p", "no:cacheprovider", "-o", "python_files=mpi_*.py", "-rsxX", str(MPI_DIR / suite),
+            *extra]
+    saved = os.environ.get("DISTOPT_TIMEOUT")
+    os.environ["DISTOPT_TIMEOUT"] = str(collective_timeout)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = int(pytest.main(argv))
+    finally:
+        if saved is None:
+            os.environ.pop("DISTOPT_TIMEOUT", None)
+        else:
+            os.environ["DISTOPT_TIMEOUT"] = saved
+    return code, out.getvalue()
+
+
+def run_mpi_suite(suite: str, n: int, timeout: float = 240.0, *extra: str, collective_timeout: float = 20.0) -> list[str]:
+    """Run the inner suite ``tests/support/mpi/<suite>`` on every rank of the ``mpiexec -n n`` worker pool
+    (:mod:`tests.support.pool`: start-up paid once per pool, not per suite); the ranks' pytest outputs.
+
+    Fails with every failing rank's output if any rank's suite fails (the pool is then discarded, so
+    no message left in flight reaches the next case); an overrun of ``timeout`` seconds fails naming
+    the stalled ranks and the inner test each was in.
+    """
+    from tests.support.pool import discard, run_pooled
+
+    results = run_pooled("mpi", n, "tests.support.harness:suite_case", (suite, tuple(extra), collective_timeout),
+                         timeout)
+    failed = [(r, out) for r, (code, out) in enumerate(results) if code != 0]
+    if failed:
+        discard("mpi", n)
+        raise AssertionError(f"{suite} failed at -n {n}:\n" + "\n".join(
+            f"--- rank {r} (exit {results[r][0]}) ---\n{out[-6000:]}" for r, out in failed))
+    return [out for _, out in results]

@@ -149,6 +149,14 @@ def run_pooled(backend: str, size: int, target: str, args: tuple, timeout: float
     return pool.run(target, args, timeout)
 
 
+def discard(backend: str, size: int) -> None:
+    """Close the pool of ``backend`` at ``size`` (after a case that may have left it out of step); the
+    next case starts a new one."""
+    pool = _POOLS.pop((backend, size), None)
+    if pool is not None:
+        pool.close()
+
+
 @atexit.register
 def close_pools() -> None:
     """End every pool (at the end of the test run)."""
@@ -191,6 +199,7 @@ def serve(backend: str, rank: int, size: int, folder: str, job_id: str = "") -> 
     """The worker loop of rank ``rank``: run each case file in turn until the stop file appears
     (or the test process is gone)."""
     d = Path(folder)
+    os.environ["DISTOPT_TEST_POOL_AT"] = str(d / f"at-{rank}")  # where an inner suite records its test
     k = 0
     while True:
         case = d / f"case-{k}.pkl"

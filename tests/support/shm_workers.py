@@ -59,16 +59,20 @@ def check_rank_order_sums(comm: ShmCommunicator) -> None:
     np.testing.assert_array_equal(h, np.float16(np.float32(2048 + comm.size - 1)))
 
 
-def conformance_worker(nccl_id, rank: int, size: int) -> None:
-    """The conformance suite and shm's own checks; then rank 0 checks every segment was unlinked."""
-    with make_comm(nccl_id, rank, size) as comm:
-        conformance.run_all(comm)
-        check_rank_order_sums(comm)
+def conformance_case(rank: int, comm: ShmCommunicator) -> str:
+    """A pool case (:mod:`tests.support.pool`) on the case's communicator: the conformance suite, shm's
+    own checks, close; rank 0 then checks every segment was unlinked. Returns the job id (the test
+    process checks /dev/shm once more)."""
+    conformance.run_all(comm)
+    check_rank_order_sums(comm)
+    job_id = comm.job_id
+    comm.close()  # the pool's own close() afterwards is a second close: a no-op
     if rank == 0:  # the others close concurrently: give them a moment
         deadline = time.monotonic() + 5
-        while job_segments(nccl_id.job_id) and time.monotonic() < deadline:
+        while job_segments(job_id) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert job_segments(nccl_id.job_id) == [], "close() left segments behind"
+        assert job_segments(job_id) == [], "close() left segments behind"
+    return job_id
 
 
 def dead_peer_worker(nccl_id, rank: int, size: int, results) -> None:

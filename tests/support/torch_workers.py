@@ -80,12 +80,14 @@ def check_small_calls_take_one_collective(comm) -> None:
         assert calls == ["gather", "all_reduce"] * (comm.size > 1), calls
 
 
-def conformance_worker(holder, rank: int, size: int, port: int) -> None:  # noqa: ARG001 (spawn's signature)
-    comm = make_comm(port, rank, size)
+def conformance_case(rank: int, comm) -> int:  # noqa: ARG001 (a pool case's signature)
+    """A pool case (:mod:`tests.support.pool`) on the case's communicator (a new default process group
+    on a new port): the conformance suite, tensors and 16-bit floats, one collective per small call;
+    returns the number of shared checks run."""
     conformance.run_all(comm)
     check_tensors_and_half(comm)
     check_small_calls_take_one_collective(comm)
-    comm.close()
+    return len(conformance.CHECKS)
 
 
 def skip_worker(holder, rank: int, size: int, port: int) -> None:  # noqa: ARG001

@@ -1,4 +1,4 @@
-"""Inner plugin for suites run under mpiexec: record where each rank is."""
+"""Inner plugin for suites run under mpiexec (a fresh job, or a worker of the MPI pool): record where each rank is."""
 from __future__ import annotations
 
 import os
@@ -11,13 +11,19 @@ from mpi4py import MPI
 from distopt import SGD, DistOpt
 from distopt.comm.mpi import MPICommunicator
 
-_PROGRESS = os.environ.get("DISTOPT_TEST_PROGRESS")
 RANK = MPI.COMM_WORLD.Get_rank()
 
 
 def _write(state: str) -> None:
-    if _PROGRESS:
-        Path(_PROGRESS, f"rank{RANK}").write_text(state)
+    """Record ``state`` for the stall report: in a fresh job's progress folder (``DISTOPT_TEST_PROGRESS``),
+    or after the case in a pool worker's progress file (``DISTOPT_TEST_POOL_AT``)."""
+    progress = os.environ.get("DISTOPT_TEST_PROGRESS")
+    if progress:
+        Path(progress, f"rank{RANK}").write_text(state)
+    at = os.environ.get("DISTOPT_TEST_POOL_AT")
+    if at:
+        case = Path(at).read_text().split(" > ")[0] if Path(at).exists() else "a case"
+        Path(at).write_text(f"{case} > {state}")
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:  # noqa: ARG001

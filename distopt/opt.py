@@ -151,7 +151,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
                                      bool(gradient_as_bucket_view), model, sink)
             follower = self.follower
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
-                                        lambda: follower.join_phase(), named_parameters)
+                                        lambda: follower.join_phase(), named_parameters, follower.forward_syncs)
 
     @property
     def local_rank(self) -> int:

@@ -134,6 +134,11 @@ class Follower:
             return "no"
         return "later" if self.passes else "first"
 
+    def forward_syncs(self) -> bool:
+        """Whether a backward started now averages (outside ``no_sync()`` and with the model's
+        ``require_backward_grad_sync``): DDP's test for broadcasting buffers at the next forward."""
+        return self.no_sync_depth == 0 and getattr(self.model, "require_backward_grad_sync", True)
+
     def _owned(self) -> list[Any]:
         """The trainable tensors this follower averages: those no other live follower claimed first."""
         return [t for t in self.local.trainable() if claim(t, self)]

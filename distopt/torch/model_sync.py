@@ -101,8 +101,12 @@ class ModelSync:
 
     ``DistOpt(torch_opt, model=model)`` builds one: it checks the names and
     broadcasts rank 0's parameters (frozen ones and ones outside the
-    optimizer included) and buffers at construction, and before each
-    training-mode forward with ``broadcast_buffers=True``.
+    optimizer included) and buffers at construction, and with
+    ``broadcast_buffers=True`` before a training-mode forward that follows a
+    synchronizing forward, as DDP does (``require_forward_param_sync``): a
+    forward inside ``no_sync()`` (or under ``torch.no_grad()``) leaves the
+    next forward's buffers alone, so with accumulation the buffers are
+    broadcast at the first micro-batch of each step.
 
     Args:
         comm: the communicator.
@@ -122,6 +126,8 @@ class ModelSync:
             all-reduce names it), and joined ranks shadow it once per step
             (:meth:`shadow_forward`), as DDP's join hook does. Returns
             ``"no"`` outside ``join()``, ``"first"`` or ``"later"`` inside.
+        forward_syncs: whether a backward started now would average the
+            gradients (outside ``no_sync()``, DDP's ``require_backward_grad_sync``).
 
     Raises:
         CollectiveMismatchError: on every rank, naming the first name (or
@@ -131,9 +137,11 @@ class ModelSync:
 
     def __init__(self, comm: Communicator, engine: Engine, local: TorchOptimizer, model: Any,
                  broadcast_buffers: bool, join_phase: Callable[[], str] = lambda: "no",
-                 named_parameters: Iterable[tuple[str, Any]] | None = None) -> None:
+                 named_parameters: Iterable[tuple[str, Any]] | None = None,
+                 forward_syncs: Callable[[], bool] = lambda: True) -> None:
         self.comm, self.engine, self.local, self.model = comm, engine, local, model
         self.join_phase = join_phase
+        self.sync_next = True  # the next training forward broadcasts the buffers (DDP's require_forward_param_sync)
         self.hooked = False  # buffers are broadcast before each training-mode forward
         settings = {"world_size": comm.size}
         if named_parameters is not None:
@@ -152,12 +160,18 @@ class ModelSync:
         if broadcast_buffers and any(True for _ in model.buffers()):
             def before_forward(module: Any, inputs: Any) -> None:  # noqa: ARG001
                 where = self.join_phase()
-                if module.training and where == "no":
+                if module.training and where == "no" and self.sync_next:
                     self.sync_buffers("broadcast", 0)
                 elif module.training and where == "first":
                     self.sync_buffers("broadcast", min(self._active(True)))
 
+            def after_forward(module: Any, inputs: Any, output: Any) -> None:  # noqa: ARG001
+                import torch
+
+                self.sync_next = torch.is_grad_enabled() and forward_syncs()
+
             local.handles.append(model.register_forward_pre_hook(before_forward))
+            local.handles.append(model.register_forward_hook(after_forward))
             self.hooked = True
 
     def _active(self, active: bool) -> list[int]:

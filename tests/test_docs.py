@@ -32,11 +32,14 @@ troubleshooting messages are found in distopt's source, the site builds with
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -367,10 +370,13 @@ def check_install(block: Block, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cnn_smoke() -> subprocess.CompletedProcess:
-    """``mpiexec -n 2 python examples/cnn_mpi.py`` cut down to 5 steps and 200 test images."""
+def cnn_smoke():
+    """``mpiexec -n 2 python examples/cnn_mpi.py`` cut down to 20 steps and 1000 test images: the smoke run
+    of tests/test_examples.py (:func:`tests.support.examples.cnn_run`, one job for every example run)."""
     pytest.importorskip("torch")
-    return run_job([sys.executable, "examples/cnn_mpi.py", *SMOKE, "--threads", "1"], n=2, timeout=150)
+    from tests.support.examples import cnn_run
+
+    return cnn_run("smoke")
 
 
 def _script_args(block: Block, script: str) -> list[list[str]]:
@@ -383,18 +389,32 @@ def _script_args(block: Block, script: str) -> list[list[str]]:
     return out
 
 
-def _check_cnn_args(arg_lists: list[list[str]], tmp_path: Path) -> None:
+def _script_module(name: str):
+    """``examples/<name>.py`` or ``benchmarks/<name>.py`` imported in this process (both folders on
+    ``sys.path``, as the scripts themselves have them): the command checks parse flags with the
+    scripts' own parsers here, not in a new interpreter each."""
+    for folder in ("examples", "benchmarks"):
+        if str(ROOT / folder) not in sys.path:
+            sys.path.insert(0, str(ROOT / folder))
+    return importlib.import_module(name)
+
+
+def _parses(parse, argv: list[str]):
+    """``parse(argv)``, an argparse failure (SystemExit) turned into a test failure with its message."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{argv} does not parse (exit {exc.code}): {err.getvalue()[-3000:]}")
+
+
+def _check_cnn_args(arg_lists: list[list[str]], tmp_path: Path) -> None:  # noqa: ARG001
     """The flags parse with examples/cnn_mpi.py's own parser."""
     pytest.importorskip("torch")
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / 'examples')!r})
-        from cnn_mpi import parse_args
-        for args in {arg_lists!r}:
-            parse_args(args)
-    """)
-    res = _python(["-c", code], tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    cnn_mpi = _script_module("cnn_mpi")
+    for args in arg_lists:
+        _parses(cnn_mpi.parse_args, args)
 
 
 def _rank0_lines(out: str) -> list[str]:
@@ -406,7 +426,7 @@ def check_first_cpu_run(block: Block, tmp_path: Path, cnn_smoke=None) -> None:
     assert "dataset-fashion-mnist" in (ROOT / "examples" / "fashion_mnist.py").read_text()
     _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
     res = cnn_smoke
-    assert res.returncode == 0, res.stdout[-6000:]
+    assert res.ok, res.stdout[-6000:]
     expected = [b for b in ALL_BLOCKS if b.marker.get("output") == "first-cpu-run"]
     assert len(expected) == 1
     patterns = [re.escape(line).replace(r"\.", ".") for line in expected[0].code.strip().splitlines()]
@@ -420,7 +440,7 @@ def check_first_cpu_run(block: Block, tmp_path: Path, cnn_smoke=None) -> None:
 @needs_data
 def check_mpiexec_one_node(block: Block, tmp_path: Path, cnn_smoke=None) -> None:
     _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
-    assert cnn_smoke.returncode == 0, cnn_smoke.stdout[-6000:]
+    assert cnn_smoke.ok, cnn_smoke.stdout[-6000:]
 
 
 RANKS_PROBE = textwrap.dedent("""
@@ -466,12 +486,22 @@ def check_srun(block: Block, tmp_path: Path) -> None:
     assert "examples/cnn_mpi.py" in sbatch.code and (ROOT / "examples/cnn_mpi.py").is_file()
 
 
-def check_multiprocess_example(block: Block, tmp_path: Path) -> None:
-    """The example and its flags exist (its real run is tests/test_examples.py's business)."""
+def check_multiprocess_example(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
+    """The example and its flags exist (its real run is tests/test_examples.py's business): the script
+    run as ``__main__`` in this process with ``--help`` after the page's flags exits 0 with its help."""
     pytest.importorskip("torch")
+    _script_module("cnn_mpi")  # its imports on sys.path
+    script = str(ROOT / "examples/cnn_multiprocess.py")
     for args in _script_args(block, "examples/cnn_multiprocess.py"):
-        res = _python([str(ROOT / "examples/cnn_multiprocess.py"), *args, "--help"], tmp_path)
-        assert res.returncode == 0 and "--dist-option" in res.stdout, res.stderr[-3000:]
+        out, err = io.StringIO(), io.StringIO()
+        argv, sys.argv = sys.argv, [script, *args, "--help"]
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                    pytest.raises(SystemExit) as exc:
+                runpy.run_path(script, run_name="__main__")
+        finally:
+            sys.argv = argv
+        assert exc.value.code in (0, None) and "--dist-option" in out.getvalue(), err.getvalue()[-3000:]
 
 
 def check_distopt_launch(block: Block, tmp_path: Path) -> None:
@@ -508,22 +538,16 @@ def check_strategy_runs(block: Block, tmp_path: Path) -> None:
     assert table == options, f"commands run {options}, the results table lists {table}"
 
 
-def check_train_runs(block: Block, tmp_path: Path) -> None:
+def check_train_runs(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
     """The benchmark commands parse with train.py's parser (every strategy known, extra flags
     cnn_mpi's); the PNG that plot_train.py writes is checked in and shown on the page."""
     pytest.importorskip("torch")
     runs = _script_args(block, "benchmarks/train.py")
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT / 'examples')!r}]
-        import cnn_mpi, train
-        for argv in {runs!r}:
-            args = train.parse_args(argv)
-            assert set(args.strategies.split(",")) <= set(train.STRATEGIES), args.strategies
-            cnn_mpi.parse_args(args.rest)
-    """)
-    res = _python(["-c", code], tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    cnn_mpi, train = _script_module("cnn_mpi"), _script_module("train")
+    for argv in runs:
+        args = _parses(train.parse_args, argv)
+        assert set(args.strategies.split(",")) <= set(train.STRATEGIES), args.strategies
+        _parses(cnn_mpi.parse_args, args.rest)
     page = (DOCS / block.page).read_text()
     for argv in _script_args(block, "benchmarks/plot_train.py"):
         png = Path(argv[argv.index("--png") + 1])
@@ -540,21 +564,14 @@ def check_docs_build(block: Block, tmp_path: Path, site=None) -> None:
     assert (site / "index.html").is_file()
 
 
-def check_netsim_runs(block: Block, tmp_path: Path) -> None:
+def check_netsim_runs(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
     """The simulated-link commands parse with benchmarks/netsim.py's own parser (runs: tests/test_netsim.py)."""
     runs = _script_args(block, "benchmarks/netsim.py")
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT / 'examples')!r}]
-        import netsim
-        for argv in {runs!r}:
-            args = netsim.parse_args(argv)
-            if args.rest:
-                import cnn_mpi
-                cnn_mpi.parse_args(args.rest)
-    """)
-    res = _python(["-c", code], tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    netsim = _script_module("netsim")
+    for argv in runs:
+        args = _parses(netsim.parse_args, argv)
+        if args.rest:
+            _parses(_script_module("cnn_mpi").parse_args, args.rest)
 
 
 def check_mpich_tcp(block: Block, tmp_path: Path) -> None:
@@ -586,10 +603,22 @@ CHECKS = {
 }
 #: ``file=`` blocks that a command check reads.
 FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py"}
+#: The checks that start a job (mpiexec, the launcher, the site build); the others parse the commands
+#: with the scripts' own parsers in this process (the ``unit`` tier).
+JOB_CHECKS = {"first-cpu-run", "mpiexec-one-node", "mpich-hostfile", "distopt-launch", "docs-build"}
 
 
-@pytest.mark.parametrize("cmd_id", sorted(CHECKS))
-@pytest.mark.job
+def _check_marks(cmd_id: str) -> list[pytest.MarkDecorator]:
+    if cmd_id not in JOB_CHECKS:
+        return [pytest.mark.unit]
+    if "cnn_smoke" in CHECKS[cmd_id].__code__.co_varnames:  # may wait for the job of every example run
+        from tests.support.examples import JOB_TIMEOUT
+
+        return [pytest.mark.job, pytest.mark.timeout(JOB_TIMEOUT + 60)]
+    return [pytest.mark.job]
+
+
+@pytest.mark.parametrize("cmd_id", [pytest.param(k, marks=_check_marks(k)) for k in sorted(CHECKS)])
 def test_shell_block(cmd_id: str, tmp_path: Path, request):
     block = _cmd_block(cmd_id)
     check = CHECKS[cmd_id]

@@ -2,6 +2,8 @@
 
 The data come from Debian's ``dataset-fashion-mnist`` package (or the
 directory in ``$FASHION_MNIST_DIR``); the runs are skipped without them.
+The ``cnn_mpi.py`` runs are made by one ``mpiexec -n 2`` job for all of them
+(:mod:`tests.support.examples`), each checked by its own test.
 """
 from __future__ import annotations
 
@@ -15,17 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.examples import COMPRESSED_FLAGS, DATA_DIR, HAVE_DATA, JOB_TIMEOUT, SMOKE, STRATEGY_OPTIONS, cnn_run
 from tests.support.harness import ROOT, run_job
 
 sys.path.insert(0, str(ROOT / "examples"))
 import fashion_mnist  # noqa: E402
 
-DATA_DIR = os.environ.get("FASHION_MNIST_DIR", fashion_mnist.DEFAULT_DIR)
-HAVE_DATA = all(fashion_mnist.find_file(DATA_DIR, stem) for stem in fashion_mnist.FILES.values())
 needs_data = pytest.mark.skipif(
     not HAVE_DATA, reason=f"no Fashion-MNIST IDX files in {DATA_DIR} (apt-get install dataset-fashion-mnist, "
                           "or set FASHION_MNIST_DIR)")
-SMOKE = ["--max-steps", "20", "--eval-limit", "1000", "--data-dir", DATA_DIR]
+#: the first test to ask for a cnn_mpi run waits for the job that makes all of them
+shared_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
 
 def _rank_lines(out: str) -> list[tuple[str, str]]:
@@ -47,11 +49,12 @@ def _check_report(out: str, min_acc: float) -> float:
 
 
 @needs_data
+@shared_job
 @pytest.mark.job
 def test_cnn_mpi_smoke():
     pytest.importorskip("torch")
-    res = run_job([sys.executable, "examples/cnn_mpi.py", *SMOKE, "--threads", "1"], n=2, timeout=120)
-    assert res.returncode == 0, res.stdout[-6000:]
+    res = cnn_run("smoke")
+    assert res.ok, res.stdout[-6000:]
     _check_report(res.stdout, min_acc=0.3)  # 0.486 measured (chance 0.1)
 
 
@@ -123,17 +126,16 @@ def test_mlp_gradients_match_finite_differences():
 
 
 @needs_data
-@pytest.mark.parametrize("flags", [["--dist-option", "dgc", "--dgc-warmup-steps", "1", "--dgc-clip-norm", "5"],
-                                   ["--dist-option", "powerSGD", "--powersgd-start-step", "1"]],
-                         ids=["dgc", "powerSGD"])
+@pytest.mark.parametrize("name", sorted(COMPRESSED_FLAGS, key=str.lower), ids=sorted(COMPRESSED_FLAGS, key=str.lower))
+@shared_job
 @pytest.mark.job
-def test_cnn_mpi_dgc_and_powersgd(flags):
-    """The strategy objects through cnn_mpi's flags: 20 steps (DGC: 4 one-step warm-up stages, the first
-    sent densely, then 99.9 %; PowerSGD: 1 dense step, then rank 2) send under 0.1 of the dense bytes
-    (about 0.06: one dense step of 20, the rest at 0.002 to 0.125)."""
+def test_cnn_mpi_dgc_and_powersgd(name):
+    """The strategy objects through cnn_mpi's flags (COMPRESSED_FLAGS): 20 steps (DGC: 4 one-step warm-up
+    stages, the first sent densely, then 99.9 %; PowerSGD: 1 dense step, then rank 2) send under 0.1 of the
+    dense bytes (about 0.06: one dense step of 20, the rest at 0.002 to 0.125)."""
     pytest.importorskip("torch")
-    res = run_job([sys.executable, "examples/cnn_mpi.py", *SMOKE, "--threads", "1", *flags], n=2, timeout=120)
-    assert res.returncode == 0, res.stdout[-6000:]
+    res = cnn_run(name)
+    assert res.ok, res.stdout[-6000:]
     _check_report(res.stdout, min_acc=0.1)
     ratio = float(re.search(r"Wire bytes per step = \d+ \(([\d.]+) of dense\)", res.stdout).group(1))
     assert ratio < 0.1, res.stdout[-3000:]
@@ -154,22 +156,22 @@ def test_cnn_multiprocess_smoke():
     _check_report(prefixed, min_acc=0.3)
 
 
-STRATEGY_STEPS = ["--max-steps", "60", "--eval-limit", "2000", "--data-dir", DATA_DIR, "--threads", "1"]
 #: stated margin: every strategy within 0.08 of the dense run's accuracy after 60 steps x 2 ranks x 64
 #: (measured: plain 0.614, half 0.6145, partialUpdate 0.6135, sparseTopK 0.565, sparseThreshold 0.6055)
 STRATEGY_MARGIN = 0.08
 
 
 @needs_data
+@shared_job
 @pytest.mark.job
 def test_cnn_strategies_converge_like_dense():
-    """Issue 3: each strategy's short CNN run stays within STRATEGY_MARGIN of plain all-reduce."""
+    """Issue 3: each strategy's short CNN run (60 steps, tests.support.examples.STRATEGY_STEPS) stays within
+    STRATEGY_MARGIN of plain all-reduce."""
     pytest.importorskip("torch")
     accs = {}
-    for option in ["plain", "half", "partialUpdate", "sparseTopK", "sparseThreshold"]:
-        res = run_job([sys.executable, "examples/cnn_mpi.py", *STRATEGY_STEPS, "--dist-option", option],
-                      n=2, timeout=180)
-        assert res.returncode == 0, f"{option}:\n{res.stdout[-6000:]}"
+    for option in STRATEGY_OPTIONS:
+        res = cnn_run(f"strategy-{option}")
+        assert res.ok, f"{option}:\n{res.stdout[-6000:]}"
         accs[option] = _check_report(res.stdout, min_acc=0.3)
     print("accuracy after 60 steps:", accs)
     for option, acc in accs.items():

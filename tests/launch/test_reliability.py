@@ -286,30 +286,42 @@ def test_mismatched_strategy_shm(warm):
 
 
 # ---------------------------------------------------------- H18 and resume
-def _resume_runs(tmp_path: Path, *case_args: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """Run A (one job, every step), then B: job 1 (first part + save), job 2 (fresh: load + rest).
+#: the resume cases: test id -> resume_job.py's case arguments
+RESUME_CASES = {"h18-3": ["--case", "h18", "--n", "3"], "h18-100": ["--case", "h18", "--n", "100"],
+                **{f"mlp-{s}": ["--case", "mlp", "--strategy", s] for s in ("dense", "half", "sparse")}}
 
-    Returns per-rank records ``{"params": [...], **json}`` of A, of B's first
-    job and of B's second job.
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> dict[str, tuple[Path, list, list, list]]:
+    """For every case of RESUME_CASES: run A (every step), then B: B1 (first part + save), B2 (a fresh
+    DistOpt and optimizer load the checkpoint and run the rest).
+
+    Three jobs in all, not three per case: one runs every case's A, the next every B1, the last every
+    B2 (``resume_job.py --many``), so each B2 still loads in a new job, not the one that saved.
+    Returns, per case, its folder and per-rank records ``{"params": [...], **json}`` of A, B1 and B2.
     """
-    ckpt = tmp_path / "ckpt" / "state.pkl"
-    runs = {}
+    base = tmp_path_factory.mktemp("resume")
+    runs: dict[str, dict[str, list]] = {case: {} for case in RESUME_CASES}
     for name, phase in [("A", "full"), ("B1", "first"), ("B2", "second")]:
-        out = tmp_path / name
-        res = run_job(_script("resume_job.py", *case_args, "--phase", phase, "--ckpt", str(ckpt), "--out", str(out)),
-                      2, 60, collective_timeout=10.0)
+        many = [[*args, "--phase", phase, "--ckpt", str(base / case / "ckpt" / "state.pkl"),
+                 "--out", str(base / case / name)] for case, args in RESUME_CASES.items()]
+        (base / f"{name}.json").write_text(json.dumps(many))
+        res = run_job(_script("resume_job.py", "--many", str(base / f"{name}.json")), 2, 60 + 20 * len(many),
+                      collective_timeout=10.0)
         assert res.returncode == 0, f"{name} failed (exit {res.returncode}):\n{res.stdout[-6000:]}"
-        runs[name] = []
-        for r in range(2):
-            with np.load(out / f"rank{r}.npz") as z:
-                params = [z[f"arr_{i}"] for i in range(len(z.files))]
-            runs[name].append({"params": params, **json.loads((out / f"rank{r}.json").read_text())})
-    return runs["A"], runs["B1"], runs["B2"]
+        for case in RESUME_CASES:
+            out = base / case / name
+            runs[case][name] = []
+            for r in range(2):
+                with np.load(out / f"rank{r}.npz") as z:
+                    params = [z[f"arr_{i}"] for i in range(len(z.files))]
+                runs[case][name].append({"params": params, **json.loads((out / f"rank{r}.json").read_text())})
+    return {case: (base / case, r["A"], r["B1"], r["B2"]) for case, r in runs.items()}
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [3, 100])
-def test_h18_resume_in_fresh_processes(tmp_path, n):
+def test_h18_resume_in_fresh_processes(resume_runs, n):
     """H18 through distopt.save/load with a new mpiexec job.
 
     B (1 step, save; new job: fresh DistOpt + SGD, load, steps 2-3) == A
@@ -318,7 +330,7 @@ def test_h18_resume_in_fresh_processes(tmp_path, n):
     n=3 is the stated case; n=100 zero-pads it so the top-1 selection travels
     sparsely (the residual [0,0,1,0,...] must survive the checkpoint).
     """
-    a, b1, b2 = _resume_runs(tmp_path, "--case", "h18", "--n", str(n))
+    folder, a, b1, b2 = resume_runs[f"h18-{n}"]
     want = np.zeros(n)
     want[:3] = [-2, -1, -1]
     assert [rec["wrote"] for rec in b1] == [True, False]
@@ -326,13 +338,13 @@ def test_h18_resume_in_fresh_processes(tmp_path, n):
         np.testing.assert_allclose(a[r]["params"][0], want, rtol=0, atol=1e-6, err_msg=f"A, rank {r}")
         np.testing.assert_allclose(b2[r]["params"][0], want, rtol=0, atol=1e-6, err_msg=f"B, rank {r}")
         assert b2[r]["stats"]["steps"] == 3
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["state.pkl", "state.pkl.rank0.residuals",
+    assert sorted(os.listdir(folder / "ckpt")) == ["state.pkl", "state.pkl.rank0.residuals",
                                                       "state.pkl.rank1.residuals"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["dense", "half", "sparse"])
-def test_resume_equivalence(tmp_path, strategy):
+def test_resume_equivalence(resume_runs, strategy):
     """MLP, SGD momentum 0.9 + weight decay, shuffling DistributedSampler on opt.sampler, W=2:
     4 epochs (8 steps) in one job == 2 epochs + save + fresh job + load + 2 epochs.
 
@@ -340,7 +352,7 @@ def test_resume_equivalence(tmp_path, strategy):
     (bitwise is in fact observed, but not promised). The sampler's epoch is
     restored by load (2, the epoch to run next), and so are the counters.
     """
-    a, b1, b2 = _resume_runs(tmp_path, "--case", "mlp", "--strategy", strategy)
+    _, a, b1, b2 = resume_runs[f"mlp-{strategy}"]
     assert [rec["wrote"] for rec in b1] == [True, False]
     for r in range(2):
         assert b2[r]["loaded_epoch"] == 2, b2[r]

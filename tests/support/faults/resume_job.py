@@ -2,6 +2,13 @@
 
 Usage: mpiexec -n 2 python tests/support/faults/resume_job.py --case h18|mlp
        [--strategy dense|half|sparse] --phase full|first|second --ckpt PATH --out DIR
+   or: mpiexec -n 2 python tests/support/faults/resume_job.py --many FILE
+
+``--many FILE`` runs every argument list of the JSON list in FILE, one after
+the other in this job (each with its own DistOpt, optimizer and files): the
+tests run all their cases' ``full`` phases in one job, then all ``first``
+phases, then all ``second`` phases in a third, so every resume still loads in a
+job that did not save.
 
 Phases: ``full`` trains every step in one job; ``first`` trains the first
 part and saves to ``--ckpt``; ``second`` builds a fresh DistOpt and local
@@ -29,6 +36,7 @@ Cases:
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -45,7 +53,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--epochs", type=int, default=4)
 parser.add_argument("--split", type=int, default=2)
 parser.add_argument("--n", type=int, default=3, help="h18: parameter length (zero-padded past 3)")
-args = parser.parse_args()
+args = argparse.Namespace()
 wrote = None
 loaded_epoch = None  # the sampler epoch right after distopt.load
 
@@ -103,12 +111,24 @@ def mlp() -> tuple[DistOpt, list[np.ndarray]]:
     return opt, params
 
 
-opt, params = h18() if args.case == "h18" else mlp()
-rank = opt.rank_in_global
-os.makedirs(args.out, exist_ok=True)
-np.savez(os.path.join(args.out, f"rank{rank}.npz"), *params)
-with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-    stats = {k: v for k, v in opt.stats.items() if k != "wait_seconds"}  # seconds waited differ run to run
-    json.dump({"stats": stats, "wrote": wrote, "loaded_epoch": loaded_epoch,
-               "epoch": None if opt.sampler is None else opt.sampler.epoch}, f)
-opt.close()
+def run(argv: list[str]) -> None:
+    """One case and phase; writes ``--out``'s files."""
+    global args, wrote, loaded_epoch
+    args, wrote, loaded_epoch = parser.parse_args(argv), None, None
+    opt, params = h18() if args.case == "h18" else mlp()
+    rank = opt.rank_in_global
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), *params)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        stats = {k: v for k, v in opt.stats.items() if k != "wait_seconds"}  # seconds waited differ run to run
+        json.dump({"stats": stats, "wrote": wrote, "loaded_epoch": loaded_epoch,
+                   "epoch": None if opt.sampler is None else opt.sampler.epoch}, f)
+    opt.close()
+
+
+if sys.argv[1:2] == ["--many"]:
+    with open(sys.argv[2]) as f:
+        for case_argv in json.load(f):
+            run(case_argv)
+else:
+    run(sys.argv[1:])

@@ -14,7 +14,7 @@ from .collectives import CollectiveMethods, Collectives
 from .comm.base import Communicator
 from .core.counters import Counters
 from .launch.failfast import install_abort_on_exception
-from .launch.world import World, comm_for
+from .launch.world import World, acquire_comm
 from .sharding.plan import check_sharding
 from .sharding.sync import bucket_sync
 from .sharding.torch_state import torch_sharding
@@ -126,8 +126,8 @@ class DistOpt(SingaMethods, CollectiveMethods):
             raise TypeError("model= and named_parameters= need a torch.optim.Optimizer inside DistOpt")
         accumulator = (GradientAccumulator(backward_passes_per_step)
                        if backward_passes_per_step != 1 and isinstance(local, ArrayOptimizer) else None)
-        self.comm, self.rank_in_local, self.local_size = comm_for(nccl_id, gpu_num, gpu_per_node, backend, timeout,
-                                                                  comm, world, hierarchical, group)
+        self.comm, self.rank_in_local, self.local_size, self._release = acquire_comm(
+            nccl_id, gpu_num, gpu_per_node, backend, timeout, comm, world, hierarchical, group)
         self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
         zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None, overlap_param_gather)
@@ -322,13 +322,19 @@ class DistOpt(SingaMethods, CollectiveMethods):
     def close(self) -> None:
         """Wait for the async collectives in flight, then release the communicators and the threads (a second call
         does nothing); every later collective raises :class:`~distopt.errors.CommunicatorClosedError` on every
-        rank. The hooks on the model's tensors and the optimizer are removed."""
+        rank. The hooks on the model's tensors and the optimizer are removed.
+
+        Releases only what this DistOpt owns: a communicator it built, or one given as ``comm=``. The
+        world of :func:`distopt.init` (or ``world=``) that other DistOpts, SyncBatchNorm layers and groups
+        share stays open until its last DistOpt closes (then it is closed too); a group's communicator
+        (``group=``) stays open. On MPI a close is bounded: see
+        :meth:`distopt.comm.mpi.MPICommunicator.close`."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         if self.follower is not None:
             self.follower.release()
         self._collectives.close()  # the asynchronous collectives in flight complete first
         self.engine.close()
-        self.comm.close()
+        self._release()
 
     def __enter__(self) -> DistOpt:
         return self

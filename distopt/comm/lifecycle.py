@@ -8,7 +8,8 @@
   its wall time is added to the communicator's ``wait_seconds``.
 * :func:`close_at_exit` closes, at interpreter exit, the communicators that
   were never closed (in reverse order of creation, the same on every rank),
-  before MPI is finalized.
+  before MPI is finalized; then the functions given to :func:`last_at_exit`
+  run (the MPI backend frees there what a failed close vote left).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from typing import Any, TypeVar
 
 from ..errors import CommunicatorClosedError
 
-__all__ = ["collective", "timed_call", "profile_range", "close_at_exit", "forget_at_exit", "CommunicatorState",
-           "Completed"]
+__all__ = ["collective", "timed_call", "profile_range", "close_at_exit", "forget_at_exit", "last_at_exit",
+           "CommunicatorState", "Completed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -132,6 +133,7 @@ class Completed:
 
 
 _open: list[Any] = []
+_last: list[Callable[[], None]] = []
 _lock = threading.Lock()
 _registered = False
 
@@ -143,6 +145,29 @@ def _close_all() -> None:
             comm.close()
         except Exception as exc:  # noqa: BLE001 (at exit: report, go on with the others)
             sys.stderr.write(f"distopt: closing {comm!r} at exit failed: {exc}\n")
+    while _last:
+        fn = _last.pop(0)
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            sys.stderr.write(f"distopt: cleaning up at exit failed: {exc}\n")
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        atexit.register(_close_all)
+        _registered = True
+
+
+def last_at_exit(fn: Callable[[], None]) -> None:
+    """Have ``fn()`` run once at interpreter exit, after every open communicator was closed (and
+    before MPI is finalized); functions run in the order given, an error is reported and skipped.
+    Registering the same function twice runs it once."""
+    with _lock:
+        _register()
+        if fn not in _last:
+            _last.append(fn)
 
 
 def close_at_exit(comm: Any) -> None:
@@ -151,11 +176,8 @@ def close_at_exit(comm: Any) -> None:
     The handler is registered with :mod:`atexit` after mpi4py is imported,
     so it runs before mpi4py finalizes MPI.
     """
-    global _registered
     with _lock:
-        if not _registered:
-            atexit.register(_close_all)
-            _registered = True
+        _register()
         _open.append(comm)
 
 

@@ -45,6 +45,7 @@ from .base import REDUCE_OPS, check_reduce_args
 from .control import dtype_code as _dtype_code
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, timeout_message, where
+from .mpi_close import free_at_exit, next_serial, vote
 from .mpi_half import HalfQueue, HalfSum
 from .mpi_shards import MpiShards
 from .mpi_types import mpi_buffer, reduce_op
@@ -61,7 +62,6 @@ __all__ = ["MPICommunicator"]
 #: Seconds a wait polls MPI without sleeping before it starts backing off.
 BUSY_POLL = 0.02
 _BACKOFF = Backoff(busy_s=BUSY_POLL, yield_s=BUSY_POLL, min_sleep_s=1e-5, max_sleep_s=2e-4)
-
 
 def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[Any, Callable[[], Any]]:
     """How the control block is all-gathered: a persistent collective (MPI 4's ``Allgather_init``,
@@ -143,6 +143,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         block, table = control.new_buffers(self.size)
         self._persistent, self._start_exchange = _control_exchange(self._comm, block, table)
         self._ctl = control.ControlBlock("mpi", self.rank, block, table, self._exchange)
+        self._serial = next_serial()
         close_at_exit(self)
 
     @classmethod
@@ -329,33 +330,35 @@ class MPICommunicator(MpiShards, CommunicatorState):
             sub.Free()
 
     def close(self) -> None:
-        """Free the side-channel window and the duplicated communicator; idempotent.
+        """Free the side-channel window and the duplicated communicators; idempotent, bounded.
 
-        Freeing is collective, so the ranks first vote on a communicator of
-        their own (one bounded ``Iallreduce``): the resources are freed only
-        when every rank arrives within the timeout and none of them saw a
-        collective fail. Otherwise (a rank is missing or broken) nothing is
-        freed and close returns; MPI_Finalize cleans up. A communicator that
-        was never closed is closed this way at interpreter exit, before MPI
-        is finalized (no ``UCX WARN ... mpool`` lines at exit). Every later
-        call raises :class:`~distopt.errors.CommunicatorClosedError`.
+        Freeing a window (``MPI_Win_free``) is collective: a rank that enters it alone waits forever.
+        So the ranks first vote twice (:func:`~distopt.comm.mpi_close.vote`, each round waited for at
+        most ``timeout`` seconds): round one says that every rank's collectives succeeded, round two
+        that every rank saw round one complete in time. A rank frees only after round two; one whose
+        wait expired (a peer arrived more than ``timeout`` later, is gone, or closes communicators in
+        the opposite order) frees nothing and takes part in no later round, so no rank frees alone,
+        and nothing is freed after a failed collective. A window left so is freed at interpreter
+        exit, after every communicator's close, right before MPI_Finalize (which waits for every rank
+        anyway). A close therefore returns within ``2 * timeout`` seconds (one ``timeout`` when a
+        peer never comes) and raises nothing. A communicator never closed is closed this way at
+        exit, before MPI is finalized (no ``UCX WARN ... mpool`` lines). Every later call raises
+        :class:`~distopt.errors.CommunicatorClosedError`.
         """
         if self.closed:
             return
         self.closed = True
         forget_at_exit(self)
-        vote = np.array([0 if self._ctl.broken else 1], dtype=np.int32)
-        try:
-            self._wait(self._control.Iallreduce(MPI.IN_PLACE, [vote, MPI.INT32_T], MPI.MIN), "close")
-        except CollectiveTimeoutError:
+        if not vote(self._control, 0 if self._ctl.broken else 1, self.timeout) or not vote(self._control, 1,
+                                                                                           self.timeout):
+            free_at_exit(self._serial, self._where)
             return
-        if vote[0]:
-            if self._persistent is not None:
-                self._persistent.Free()
-            self._where.free()
-            self._comm.Free()
-            self._control.Free()
-            self._halves.gather_comm.Free()
+        if self._persistent is not None:
+            self._persistent.Free()
+        self._where.free()
+        self._comm.Free()
+        self._control.Free()
+        self._halves.gather_comm.Free()
 
     def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size}, timeout={self.timeout:g})"

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..launch.ranks import describe
+from ..launch.ranks import RankInfo, describe
 from .base import check_counts, check_reduce_args, check_rows
 from .lifecycle import CommunicatorState, Completed, collective
 
 if TYPE_CHECKING:
-    from ..launch.ranks import RankInfo
     from ..launch.info import Launch
 
 __all__ = ["SingleCommunicator"]
@@ -44,10 +43,14 @@ class SingleCommunicator(CommunicatorState):
         """Build it for a plain ``python train.py`` (or a forced ``backend="single"``).
 
         Raises:
-            ValueError: the launch says the world has more than one process.
+            ValueError: the launch says the world has more than one process (unless
+                ``$DISTOPT_INDEPENDENT_PROCESSES=1`` asks for each process on its own: then the
+                returned rank information is this process alone, rank 0 of 1).
         """
         info = launch.rank_info()
         if info.world_size != 1:
+            if launch.env.get("DISTOPT_INDEPENDENT_PROCESSES") == "1":
+                return cls(), RankInfo(0, 1, 0, 1, None, None, "single")
             raise ValueError(f"backend='single' is a world of one process, but {describe(info, launch.env)} "
                              f"say {info.world_size}; leave backend unset")
         return cls(), info

@@ -170,10 +170,14 @@ class TorchCommunicator(TorchShards, CommunicatorState):
             self._ctl.broken = what
             place = where("torch", what, self.rank)
             late = not work.is_completed() or time.monotonic() - start >= _LATE * self.timeout
+            other = 1 - self.rank if self.size == 2 else None  # of two ranks, the one missing is the other
             if late and not t.flat.is_cuda:
-                raise CollectiveTimeoutError(timeout_message(place, self.timeout, f"{STALLED}; {UNUSABLE}")) from exc
+                who = None if other is None else f"rank {other} did not arrive"
+                raise CollectiveTimeoutError(timeout_message(place, self.timeout, f"{STALLED}; {UNUSABLE}",
+                                                             who)) from exc
+            peer = "a peer" if other is None else f"the peer, rank {other},"
             raise CollectiveTimeoutError(failure_message(
-                place, f"{str(exc).splitlines()[0]} (a peer exited or timed out)", UNUSABLE)) from exc
+                place, f"{str(exc).splitlines()[0]} ({peer} exited or timed out)", UNUSABLE)) from exc
 
     def _exchange(self, what: str) -> None:
         """The control block's exchange: one gloo all-gather of every rank's block."""

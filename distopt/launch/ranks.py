@@ -354,3 +354,18 @@ def describe(info: RankInfo, env: Mapping[str, str]) -> str:
     names = dict(_LAUNCHERS).get(info.source)
     shown = ", ".join(f"{n}={env[n]}" for n in (names[:2] if names else ()) if n in env)
     return f"{info.source} variables ({shown})" if shown else info.source
+
+
+#: Set to 1 to let each process of an MPI launch run on its own (a world of its own) on purpose.
+INDEPENDENT_ENV = "DISTOPT_INDEPENDENT_PROCESSES"
+
+
+def mpi_launcher(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """The MPI launcher this process runs under and its world size, from the variables it sets:
+    ``("Open MPI's mpiexec (OMPI_COMM_WORLD_SIZE=4)", 4)``, ``("MPICH/Hydra mpiexec (PMI_SIZE=2)", 2)``;
+    None outside one (or with sizes that are not integers: :func:`from_env` reports those)."""
+    for name, launcher in (("OMPI_COMM_WORLD_SIZE", "Open MPI's mpiexec"), ("PMI_SIZE", "MPICH/Hydra mpiexec")):
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return f"{launcher} ({name}={value})", int(value)
+    return None

@@ -26,10 +26,12 @@ choice is logged once, on rank 0.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import comm as _comm
@@ -39,7 +41,8 @@ from ..comm.base import Communicator
 from ..comm.groups import Group, split
 from ..comm.hierarchy import hierarchical_for
 
-__all__ = ["build_world", "choose_backend", "init", "current", "World", "comm_for", "new_group"]
+__all__ = ["build_world", "choose_backend", "init", "current", "World", "comm_for", "acquire_comm", "shared_view",
+           "new_group"]
 
 log = logging.getLogger("distopt")
 
@@ -86,10 +89,31 @@ def _launched_backend(launch: Launch, backend: str | None) -> str:
     if chosen in ("shm", "torch") and launch.rank_info().source == "single":
         raise ValueError(f"backend={chosen!r} needs launcher variables (RANK, WORLD_SIZE, ...): start the "
                          "script with torchrun or python -m distopt.launch, or leave backend unset for one process")
+    _check_not_independent(launch, chosen)
     if chosen == "shm" and launch.job_id is None:
         raise ValueError("backend='shm' needs the job id that python -m distopt.launch sets "
                          f"({JOB_ID_ENV}), or distopt.launch.spawn with an NcclIdHolder")
     return chosen
+
+
+def _check_not_independent(launch: Launch, chosen: str) -> None:
+    """Refuse a world smaller than the MPI launch this process is part of (each process would train alone).
+
+    Raises:
+        ValueError: on every process, naming the launcher, its world size and the backend's, unless
+            ``$DISTOPT_INDEPENDENT_PROCESSES`` is 1.
+    """
+    found = ranks.mpi_launcher(launch.env)
+    if found is None or found[1] <= 1 or chosen in ("mpi", "nccl") or launch.env.get(ranks.INDEPENDENT_ENV) == "1":
+        return
+    size = 1 if chosen == "single" else launch.rank_info().world_size
+    if size == found[1]:
+        return
+    raise ValueError(
+        f"this process was started by {found[0]}, a job of {found[1]} processes, but backend {chosen!r} "
+        f"would make a world of {size}: every process would train on its own. Leave backend unset (or "
+        f"backend='mpi') to train together over MPI, start the script with torchrun for the torch backend, "
+        f"or set {ranks.INDEPENDENT_ENV}=1 to run the copies independently on purpose")
 
 
 def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
@@ -112,7 +136,11 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
 
     Raises:
         ValueError: ``nccl_id`` without ``gpu_num``/``gpu_per_node``;
-            a backend that does not fit the launch mode; launcher variables
+            a backend that does not fit the launch mode; under an MPI launcher
+            (``PMI_SIZE`` or ``OMPI_COMM_WORLD_SIZE`` > 1), a backend whose world
+            size differs from the launcher's (e.g. ``backend="single"``, or
+            torchrun variables saying one process), on every process, unless
+            ``$DISTOPT_INDEPENDENT_PROCESSES=1``; launcher variables
             that are incomplete, or that disagree with MPI (the message names
             the launcher whose variables were read, and the fix).
         BackendUnavailableError: the chosen backend cannot be imported
@@ -137,6 +165,25 @@ class World:
 
     comm: Communicator
     info: ranks.RankInfo
+    _users: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+
+    @property
+    def users(self) -> int:
+        """How many DistOpts and process groups use this world now (see :meth:`acquire`)."""
+        return self._users[0]
+
+    def acquire(self) -> None:
+        """Count one more user (a DistOpt built on this world, a process group split from it)."""
+        self._users[0] += 1
+
+    def release(self) -> None:
+        """Count one user less; the last user's release closes the communicator (collective on MPI: see
+        its ``close``). A release past zero does nothing."""
+        if self._users[0] <= 0:
+            return
+        self._users[0] -= 1
+        if self._users[0] == 0:
+            self.comm.close()
 
     @property
     def rank(self) -> int:
@@ -164,7 +211,7 @@ class World:
         return self.comm.name
 
     def close(self) -> None:
-        """Close the communicator (idempotent)."""
+        """Close the communicator now, whoever still uses it (idempotent)."""
         self.comm.close()
 
 
@@ -208,11 +255,32 @@ def current() -> World | None:
     return _current
 
 
-def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
-             backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
-             world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
-             ) -> tuple[Communicator, int, int]:
-    """The communicator of a new ``DistOpt`` and its ``(local rank, local size)``.
+def shared_view(comm: Communicator) -> Communicator:
+    """A view of ``comm`` for one user: the same object state (the same MPI communicator, process group,
+    control block and sequence numbers), but its own ``closed`` flag and ``wait_seconds``; its ``close()``
+    only marks the view closed (every later call through it raises
+    :class:`~distopt.errors.CommunicatorClosedError`), ``comm`` stays open for its other users."""
+    view = copy.copy(comm)
+    view.closed = False
+    if hasattr(view, "wait_seconds"):
+        view.wait_seconds = 0.0
+
+    def close(self: Communicator) -> None:
+        self.closed = True
+
+    view.close = types.MethodType(close, view)  # type: ignore[method-assign]
+    return view
+
+
+def _noop() -> None:
+    return None
+
+
+def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
+                 backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
+                 world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
+                 ) -> tuple[Communicator, int, int, Callable[[], None]]:
+    """The communicator of a new ``DistOpt``, its ``(local rank, local size)``, and how to release it.
 
     In order: a process ``group``'s communicator (local rank and size from
     ``world`` or an earlier :func:`init`), an explicit ``comm`` (local rank
@@ -221,6 +289,13 @@ def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int 
     :func:`init`, else a new communicator by :func:`build_world`. Then
     :func:`~distopt.comm.hierarchy.hierarchical_for` (``hierarchical``; a
     group's communicator stays flat unless it is True).
+
+    Ownership, what the returned release closes: a communicator built here,
+    and an explicit ``comm`` (handed over), are closed by it. A group's
+    communicator and a world's are shared: the DistOpt gets a
+    :func:`shared_view` (its calls raise once it is released), the group's
+    communicator stays open, and the world counts one user more
+    (:meth:`World.acquire`): the release of its last user closes it.
 
     Raises:
         ValueError: as :func:`build_world`; a rank outside ``group``; as
@@ -233,15 +308,36 @@ def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int 
         sub = group.require("DistOpt(group=)")
         outer = world if world is not None else current()
         local = (outer.info.local_rank, outer.info.local_size) if outer is not None else (sub.rank, sub.size)
-        return hierarchical_for(sub, bool(hierarchical)), local[0], local[1]
+        made = hierarchical_for(shared_view(sub), bool(hierarchical))
+        return made, local[0], local[1], made.close
     if comm is not None:
-        return (hierarchical_for(comm, hierarchical), comm.rank if gpu_num is None else gpu_num,
-                comm.size if gpu_per_node is None else gpu_per_node)
+        made = hierarchical_for(comm, hierarchical)
+        return (made, comm.rank if gpu_num is None else gpu_num, comm.size if gpu_per_node is None else gpu_per_node,
+                made.close)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)
     if world is not None:
-        return hierarchical_for(world.comm, hierarchical), world.info.local_rank, world.info.local_size
-    comm, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
-    return hierarchical_for(comm, hierarchical), info.local_rank, info.local_size
+        made = hierarchical_for(shared_view(world.comm), hierarchical)
+        world.acquire()
+        done = [False]
+
+        def release() -> None:
+            if not done[0]:
+                done[0] = True
+                made.close()
+                world.release()
+
+        return made, world.info.local_rank, world.info.local_size, release
+    built, info = build_world(nccl_id, gpu_num, gpu_per_node, backend, timeout)
+    made = hierarchical_for(built, hierarchical)
+    return made, info.local_rank, info.local_size, made.close
+
+
+def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
+             backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
+             world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
+             ) -> tuple[Communicator, int, int]:
+    """:func:`acquire_comm` without its release: ``(communicator, local rank, local size)``."""
+    return acquire_comm(nccl_id, gpu_num, gpu_per_node, backend, timeout, comm, world, hierarchical, group)[:3]
 
 
 def new_group(ranks: Iterable[int], world: World | None = None, name: str | None = None) -> Group:
@@ -264,4 +360,7 @@ def new_group(ranks: Iterable[int], world: World | None = None, name: str | None
             :func:`~distopt.comm.groups.split` (bad ranks, ranks that
             disagree on the members, a backend without groups).
     """
-    return split((world if world is not None else init()).comm, ranks, name)
+    parent = world if world is not None else init()
+    group = split(parent.comm, ranks, name)
+    parent.acquire()  # a group is a user of its world for good: the world then stays open until exit or World.close()
+    return group

@@ -47,6 +47,9 @@ _SMALL_BYTES = 8192  # an all-reduce of at most this many bytes is reduced whole
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
+_built_from_launch: dict[str, int] = {}  # job id -> communicators this process built from it
+
+
 class ShmCommunicator(ShmShards, CommunicatorState):
     """Collectives between the processes of one machine through shared memory.
 
@@ -85,7 +88,7 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         check_platform(size)
         self.rank, self.size, self.job_id, self.timeout = rank, size, job_id, resolve_timeout(timeout)
         self._segments = Segments(job_id, rank, size)
-        self._splits = 0
+        self._splits = [0]  # a list: shared with the views of this communicator (distopt.launch.world.shared_view)
         self._ctl: ControlRows | None = None
         self._scratch = np.empty(_CHUNK_BYTES, np.uint8)
         try:
@@ -97,9 +100,14 @@ class ShmCommunicator(ShmShards, CommunicatorState):
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[ShmCommunicator, RankInfo]:
         """Build it for ``python -m distopt.launch`` or :func:`distopt.launch.spawn`: the launch's ranks and
-        job id (which names the segments). Raises as :class:`ShmCommunicator`."""
+        job id (which names the segments). Building it is collective, like MPI's ``Comm_dup``: the k-th
+        communicator a process builds from its launch (k > 0: a second DistOpt) names its segments
+        ``<job_id>-c<k>``, so every rank must build them in the same order. Raises as :class:`ShmCommunicator`."""
         info = launch.rank_info()
-        return cls(info.global_rank, info.world_size, launch.job_id, launch.timeout), info
+        k = _built_from_launch.setdefault(launch.job_id, 0)
+        _built_from_launch[launch.job_id] = k + 1
+        job_id = launch.job_id if k == 0 else f"{launch.job_id}-c{k}"
+        return cls(info.global_rank, info.world_size, job_id, launch.timeout), info
 
     def _bounds(self, n: int, itemsize: int, p: int) -> tuple[int, int]:
         """Element range of rank p's reduce-scatter slice of n elements."""
@@ -280,8 +288,8 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         first). The k-th split of a communicator names its segments
         ``<job_id>-g<k>``, so groups of the same ranks never share memory.
         """
-        self._splits += 1
-        job_id = f"{self.job_id}-g{self._splits}"
+        self._splits[0] += 1
+        job_id = f"{self.job_id}-g{self._splits[0]}"
         self.barrier()  # every rank has counted this split before any member builds the segments
         if self.rank not in ranks:
             return None

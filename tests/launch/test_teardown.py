@@ -1,0 +1,115 @@
+"""H84 and H85 (issue 30, item 7): teardown is bounded on every launcher.
+
+Each test launches one job (its variants run inside it, see the scripts in ``tests/support/faults``)
+under a guard; an overrun kills the job and fails naming every rank that did not finish and the
+phase it was in (``$DISTOPT_TEST_PROGRESS``, :mod:`tests.support.faults.teardown_progress`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import ROOT, rank_streams, run_job
+from tests.support.torch_workers import free_port
+
+FAULTS = ROOT / "tests" / "support" / "faults"
+
+
+def _stalled(progress: Path, n: int) -> str:
+    states = {r: (progress / f"rank{r}").read_text().strip() if (progress / f"rank{r}").exists() else "never started"
+              for r in range(n)}
+    return "\n".join(f"rank {r} stalled in: {s}" for r, s in states.items() if s != "done") or \
+        "every rank reported done, but the launcher did not exit"
+
+
+def guarded(argv: list[str], n: int, guard: float) -> tuple[int, str, float]:
+    """Run a launcher command line under ``guard`` seconds: (exit code, output, wall seconds).
+
+    Raises:
+        AssertionError: the job overran; names the stalled ranks and their phases, with the output tail.
+    """
+    progress = Path(tempfile.mkdtemp(prefix="distopt-h8x-"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "SLURM_", "MPI_LOCAL")) and k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", DISTOPT_TEST_PROGRESS=str(progress))
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=guard)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(argv[-3:])} overran its {guard:.0f} s guard\n{_stalled(progress, n)}\n"
+                             f"--- output tail ---\n{out[-4000:]}") from None
+    finally:
+        shutil.rmtree(progress, ignore_errors=True)
+    return proc.returncode, out, time.monotonic() - start
+
+
+def launch(launcher: str, script: str, *args: str, guard: float) -> tuple[int, dict[int, str], float]:
+    """Run ``script`` on 2 ranks under ``launcher``: (exit code, output per rank, wall seconds)."""
+    path = str(FAULTS / script)
+    if launcher == "mpiexec":
+        start = time.monotonic()
+        res = run_job([sys.executable, path, *args], n=2, timeout=guard)
+        return res.returncode, rank_streams(res.stdout), time.monotonic() - start
+    if launcher == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), path, *args]
+    else:
+        argv = [sys.executable, "-m", "distopt.launch", "-n", "2", path, *args]
+    code, out, seconds = guarded(argv, 2, guard)
+    return code, {r: out for r in range(2)}, seconds  # the ranks share one stream: lines carry the rank
+
+
+def _lines(case: str, out: str, rank: int) -> dict[str, str]:
+    return dict(re.findall(rf"^{case} {rank} (\S+) (.*?)\s*$", out, re.MULTILINE))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+@pytest.mark.job
+def test_h84_async_handle_faults(launcher):
+    """``late`` and ``close`` in one job (guard 45 s, the two variants' 30 s each in one launch); ``raise``
+    in a job of its own, which must end within 30 s (it fails: a rank raised)."""
+    if launcher == "torchrun":
+        pytest.importorskip("torch")
+    code, outs, _ = launch(launcher, "h84_async.py", "late", guard=45)
+    for r in range(2):
+        got = _lines("H84", outs[r], r)
+        assert code == 0, f"exit code {code}\n{outs[r][-3000:]}"
+        raised = got.get("late-raised", "")
+        assert re.search(rf"(rank |arrive: ){1 - r}\b", raised), f"rank {r}'s timeout does not name rank {1 - r}: {got}"
+        assert "late-closed" in got, got
+    assert "close-closed" in _lines("H84", outs[0], 0), outs[0][-3000:]
+    code, outs, seconds = launch(launcher, "h84_async.py", "raise", guard=45)
+    assert code != 0 and seconds < 30, f"exit code {code} after {seconds:.0f} s\n{outs[0][-3000:]}"
+    assert "ValueError: boom" in outs[1], outs[1][-3000:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun", "distopt.launch"])
+@pytest.mark.job
+def test_h85_teardown_with_ranks_arriving_apart(launcher):
+    """slowclose, asyncclose, order and slowexit in one job: exit 0, every close returns well within the
+    60 s guard of a variant (MPI: at most two timeouts per communicator), no leak warning at exit."""
+    if launcher == "torchrun":
+        pytest.importorskip("torch")
+    code, outs, _ = launch(launcher, "h85_teardown.py", guard=150)
+    for r in range(2):
+        assert code == 0, f"exit code {code}\n{outs[r][-3000:]}"
+        got = _lines("H85", outs[r], r)
+        assert sorted(got) == ["asyncclose", "order", "slowclose", "slowexit"], f"rank {r}: {got}\n{outs[r][-3000:]}"
+        assert all(float(s) < 30 for s in got.values()), f"rank {r}: {got}"
+        assert "UCX" not in outs[r] and "Traceback" not in outs[r], outs[r][-3000:]

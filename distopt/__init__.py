@@ -49,10 +49,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """The torch-only names (``SyncBatchNorm``, ``convert_sync_batchnorm``), imported on first use (PEP 562),
-    so ``import distopt`` does not import torch."""
+    """The torch-only names (``SyncBatchNorm``, ``convert_sync_batchnorm``, the module ``distopt.autograd``:
+    ``distopt.autograd.all_reduce`` after ``import distopt``), imported on first use (PEP 562), so
+    ``import distopt`` does not import torch."""
     if name in ("SyncBatchNorm", "convert_sync_batchnorm"):
         from .torch import sync_batchnorm
 
         return getattr(sync_batchnorm, name)
+    if name == "autograd":  # importlib: ``from . import autograd`` would ask this function again
+        import importlib
+
+        return importlib.import_module(f"{__name__}.autograd")
     raise AttributeError(f"module 'distopt' has no attribute {name!r}")

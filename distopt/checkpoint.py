@@ -2,7 +2,9 @@
 
 ``save`` writes the file from global rank 0 only (never one writer per node:
 apex #886), atomically (a temporary file in the same directory, then
-``os.replace``), creating the parent directory first; every rank returns
+``os.replace``; the temporary file is removed if the write fails or is
+interrupted, a SIGTERM included, and a later save of the same path sweeps
+those a killed writer left), creating the parent directory first; every rank returns
 only after the file is complete (a barrier), so an immediate ``load`` on any
 rank sees the same bytes. State that differs per rank (error-feedback
 residuals: ``state_dict()["rank_local"]``) is written by each rank to its
@@ -28,15 +30,20 @@ file that cannot be loaded is reported with the loader's own error.
 """
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import os
 import pickle
 import pickletools
+import signal
+import socket
 import tempfile
+import threading
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .comm.consensus import agree
 from .portable import HAVE_TORCH, from_portable, to_portable
@@ -126,15 +133,72 @@ def _damage(raw: bytes, zipped: bool) -> str | None:
 _RAISED_AS = (ValueError, OSError, TypeError)
 
 
-def _write_atomically(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+#: Ends the name of every temporary file a save writes (``.<name>.<host>.<pid>.<random>`` before it).
+TMP_SUFFIX = ".distopt-tmp"
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temporary files earlier saves of ``path`` left (a writer killed by a signal that cannot be
+    caught): those whose writer, a process of this host, is gone. Others' (another host's: it cannot tell)
+    are left."""
+    host = socket.gethostname()
+    for old in path.parent.glob(f".{glob.escape(path.name)}.*{TMP_SUFFIX}"):
+        parts = old.name[len(path.name) + 2:-len(TMP_SUFFIX)].rsplit(".", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        if _alive(int(parts[1])):  # a save in progress (this process's own included: another thread's)
+            continue
+        old.unlink(missing_ok=True)
+        log.info("distopt.save: removed %s, the temporary file of an interrupted save", old)
+
+
+def _alive(pid: int) -> bool:
     try:
-        with os.fdopen(fd, "wb") as f:
-            _dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+@contextmanager
+def _removed_on_sigterm(tmp: str) -> Iterator[None]:
+    """Inside the block, a SIGTERM removes ``tmp`` before the process ends by it (as it would have: the
+    default action, re-raised). Only in the main thread, and only while SIGTERM has its default action (a
+    handler of the script's own, e.g. a graceful stop, is left alone: its exception unwinds the write)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+        Path(tmp).unlink(missing_ok=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _write_atomically(path: Path, payload: Any) -> None:
+    """Write ``payload`` to ``path`` through a temporary file next to it, then ``os.replace``; the temporary
+    file is removed when the write fails, is interrupted (an exception, SIGINT) or ends by SIGTERM, and
+    stale ones of earlier interrupted saves of ``path`` are swept first (:func:`_sweep`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{socket.gethostname()}.{os.getpid()}.", suffix=TMP_SUFFIX,
+                               dir=path.parent)
+    try:
+        with _removed_on_sigterm(tmp):
+            with os.fdopen(fd, "wb") as f:
+                _dump(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

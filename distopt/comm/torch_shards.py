@@ -10,11 +10,11 @@ of segment r, ``(size, counts[r])`` elements, and combines them in rank order
 array's dtype, as ``all_reduce`` does). gloo's reduce-scatters cannot be
 bounded: their ``Work.is_completed()`` never turns True (torch 2.13). The
 wire carries what a reduce-scatter carries. On CUDA (NCCL) it is one
-``reduce_scatter_tensor`` into a new tensor, every segment padded to
+``reduce_scatter_single`` (once ``reduce_scatter_tensor``) into a new tensor, every segment padded to
 ``max(counts)`` elements in a zeroed ``(size, max(counts))`` copy of ``array``
 when the counts differ.
 
-``all_gather_into`` with equal counts is one ``all_gather_into_tensor`` whose
+``all_gather_into`` with equal counts is one ``all_gather_single`` (once ``all_gather_into_tensor``) whose
 output is the caller's array itself (its input: a copy of this rank's
 segment). With unequal counts (gloo's list all-gather refuses unequal sizes)
 it gathers a copy of this rank's segment padded to ``max(counts)`` elements
@@ -47,6 +47,10 @@ __all__ = ["TorchShards", "TorchShardHandle"]
 
 _COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
 _BOOL_COMBINE = {"sum": torch.logical_or, "max": torch.logical_or, "min": torch.logical_and}
+#: torch's current names (``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn FutureWarning since
+#: they became ``*_single``); the old ones on a torch that lacks them.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
@@ -136,7 +140,7 @@ class TorchShards:
                     start += c
                 src = src.reshape(-1)
             out = t.new(width)
-            work = dist.reduce_scatter_tensor(out, src, op=reduction, group=self._group, async_op=True)
+            work = _reduce_scatter_single(out, src, op=reduction, group=self._group, async_op=True)
 
         def finish() -> Any:
             result = out[:mine] if rows is None else _reduce_rows(rows, op)
@@ -159,7 +163,7 @@ class TorchShards:
         else:
             inp, out = t.flat.new_zeros(width), t.new(self.size * width)
             inp[:mine.numel()] = mine
-        work = dist.all_gather_into_tensor(movable(out), movable(inp), group=self._group, async_op=True)
+        work = _all_gather_single(movable(out), movable(inp), group=self._group, async_op=True)
 
         def finish() -> Any:
             if out is not t.flat:

@@ -8,14 +8,17 @@ the first difference.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, MutableMapping, Sequence
+
+import numpy as np
 
 from ..comm.base import Communicator
-from ..comm.consensus import agree, digest
+from ..comm.consensus import agree, digest, gather_objects
 from ..errors import CollectiveMismatchError
 
-__all__ = ["check_same", "GroupSettings", "group_settings"]
+__all__ = ["check_same", "GroupSettings", "group_settings", "shadow_settings", "borrowed"]
 
 
 def _describe(spec: Sequence[Any]) -> str:
@@ -80,3 +83,56 @@ def group_settings(groups: Sequence[Mapping[str, Any]], previous: GroupSettings 
         return previous
     values = {f"param_groups[{i}][{k!r}]": v for i, g in enumerate(key) for k, v in g}
     return GroupSettings(key, digest(values), values)
+
+
+def shadow_settings(comm: Communicator, digests: np.ndarray, shadows: np.ndarray, groups: GroupSettings | None,
+                    shadow: bool) -> tuple[Any, ...] | None:
+    """The stepping ranks' hyper-parameters for a joined rank's shadow step, from the step header.
+
+    Inside ``join()`` a rank that ran out of batches answers the others'
+    steps (a shadow step) and applies their averaged gradient. Its own
+    hyper-parameters are frozen where it left the loop (a per-step LR
+    scheduler no longer steps there), so they are not compared; the update
+    it applies must be the stepping ranks', so it takes their values
+    (:func:`borrowed`). Collective only when some shadow rank's settings
+    differ from the stepping ranks' (decided from the header, the same on
+    every rank): one :func:`~distopt.comm.consensus.gather_objects` of the
+    first stepping rank's ``GroupSettings.key``.
+
+    Args:
+        comm: the communicator.
+        digests: every rank's settings digest from the header (0: none).
+        shadows: every rank's shadow flag from the header.
+        groups: this rank's settings (None: it has none).
+        shadow: this rank's step is a shadow step.
+
+    Returns:
+        On a shadow rank whose settings differ, the stepping ranks' ``key``;
+        else None.
+    """
+    stepping = np.flatnonzero(shadows == 0)
+    if not stepping.size or digests[stepping[0]] == 0 or (digests == digests[stepping[0]]).all():
+        return None
+    root = int(stepping[0])
+    theirs = gather_objects(comm, groups.key if comm.rank == root and groups is not None else None)[root]
+    return tuple(theirs) if shadow and groups is not None and groups.digest != digests[root] else None
+
+
+@contextmanager
+def borrowed(groups: Sequence[MutableMapping[str, Any]], key: tuple[Any, ...] | None) -> Iterator[None]:
+    """Inside the block, the parameter groups hold the values of ``key`` (a :class:`GroupSettings` key,
+    from :func:`shadow_settings`) where theirs differ; their own values are put back after it.
+    A one-element tensor value (a ``capturable`` lr) gets a new tensor of its dtype and device."""
+    saved: list[tuple[MutableMapping[str, Any], str, Any]] = []
+    for group, items in zip(groups, key or ()):
+        for k, v in items:
+            if k not in group or _plain(group[k]) == v:
+                continue
+            old = group[k]
+            saved.append((group, k, old))
+            group[k] = old.detach().clone().fill_(v) if getattr(old, "numel", None) is not None else v
+    try:
+        yield
+    finally:
+        for group, k, old in reversed(saved):
+            group[k] = old

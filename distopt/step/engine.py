@@ -6,7 +6,10 @@ Per step, the engine
    header": digests of the parameter shapes/dtypes and of the strategy's
    settings, whether this rank's parameter list changed, whether it is inside
    ``join()``, and, when the gradients are already known (a step called
-   after backward), whether any is missing or not finite). Different digests raise
+   after backward), whether any is missing or not finite; the local
+   optimizer's hyper-parameters, compared among the ranks that step: a
+   joined rank's shadow step takes the stepping ranks' values for its update,
+   :func:`~distopt.step.agreement.shadow_settings`). Different digests raise
    :class:`~distopt.errors.CollectiveMismatchError` on every rank naming
    the first difference (so ranks on different strategies or models never
    exchange garbage); a changed parameter list on any rank makes every rank
@@ -47,7 +50,7 @@ from ..sharding.plan import ShardPlan
 from ..sharding.sync import BucketSync
 from ..strategies.base import GradientStrategy
 from ..comm.consensus import digest
-from .agreement import GroupSettings, check_same
+from .agreement import GroupSettings, check_same, shadow_settings
 from .outcome import Agreement, Outcome, Pending, not_finite
 from .pipeline import BucketPipeline, Launcher
 
@@ -101,6 +104,7 @@ class Engine:
         self._specs: tuple[Any, ...] | None = None
         self._specs_digest: tuple[Any, int] = (None, 0)
         self._layouts: dict[tuple[int, bool, bool], _Layout] = {}
+        self.adopted: tuple[Any, ...] | None = None  # a shadow step's settings of the stepping ranks
 
     # ------------------------------------------------- parameters and layout
     def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
@@ -121,15 +125,14 @@ class Engine:
             self._specs, self._layouts = specs, {}
 
     def _agree(self, strategy: GradientStrategy, params: list[Any], threshold: int, joined: bool,
-               grads: Sequence[Any] | None, groups: GroupSettings | None) -> tuple[_Layout, Outcome | None]:
+               grads: Sequence[Any] | None, groups: GroupSettings | None,
+               shadow: bool = False) -> tuple[_Layout, Outcome | None]:
         """The step header (see the module docs); returns the layout for this step, and the step's
         outcome when the header settled it."""
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
                 "reverse": reverse, **self.sync.describe(), **strategy.describe()}
-        if groups is not None:
-            full["optimizer settings"] = groups.digest
         if specs != self._specs_digest[0]:
             self._specs_digest = (specs, digest([[list(shape), str(dtype)] for shape, dtype in specs]))
         # gradients: 0 known and every float one present; 1 not known yet, the reduction settles them;
@@ -141,13 +144,15 @@ class Engine:
                               and all(isinstance(p, np.ndarray) for p in params)) else 2
         bad = self.check_finite and not unsettled and not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
-                           unsettled, int(bad)], dtype=np.int64)
+                           unsettled, int(bad), 0 if groups is None else groups.digest, int(shadow)],
+                          dtype=np.int64)
         everyone = self.comm.all_gather(header)
         self.counters.control_collectives += 1
-        if (everyone[:, :2] != everyone[0, :2]).any():
-            check_same(self.comm, params, {**{k: v for k, v in full.items() if k != "optimizer settings"},
-                                           **(groups.values if groups is not None else {})})
+        stepping = everyone[everyone[:, 7] == 0, 6]  # a shadow step's own optimizer settings are not compared
+        if (everyone[:, :2] != everyone[0, :2]).any() or (stepping != stepping[:1]).any():
+            check_same(self.comm, params, {**full, **(groups.values if groups is not None and not shadow else {})})
             raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
+        self.adopted = shadow_settings(self.comm, everyone[:, 6], everyone[:, 7], groups, shadow)
         if everyone[:, 3].any() and not strategy.supports_join:
             raise ValueError(f"join() supports strategies with supports_join (plain, half), not {strategy.name!r}: "
                              f"rank(s) {np.flatnonzero(everyone[:, 3]).tolist()} are inside join()")
@@ -172,7 +177,8 @@ class Engine:
     # ------------------------------------------------------------- the step
     def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None,
               joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
-              bucket_view: bool = False, groups: GroupSettings | None = None) -> BucketPipeline:
+              bucket_view: bool = False, groups: GroupSettings | None = None,
+              shadow: bool = False) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
         ``threshold``: elements above which a parameter is a bucket of its
@@ -186,6 +192,8 @@ class Engine:
         header then settles the step's outcome); None during backward.
         ``groups``: the local optimizer's hyper-parameters, compared across
         ranks in the same header.
+        ``shadow``: a joined rank's shadow step: its ``groups`` are not
+        compared; :attr:`adopted` holds the stepping ranks' where they differ.
 
         Raises:
             CollectiveMismatchError: parameters or settings (the optimizer's
@@ -195,7 +203,7 @@ class Engine:
         params = list(params)
         threshold = strategy.threshold(threshold)
         with self.context("parameter check"):
-            layout, settled = self._agree(strategy, params, threshold, joined, grads, groups)
+            layout, settled = self._agree(strategy, params, threshold, joined, grads, groups, shadow)
         self.layout = layout
         buffers = self.sync.buffers(layout.buffers)
         sync = self.sync.begin(self.launch, layout.shards, layout.buckets, buffers, self.comm, self.context,

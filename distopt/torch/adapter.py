@@ -15,7 +15,7 @@ import numpy as np
 
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
-__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor"]
+__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes"]
 
 
 def is_torch_optimizer(opt: Any) -> bool:
@@ -90,6 +90,23 @@ def _bfloat16() -> Any:
     return ml_dtypes.bfloat16
 
 
+def tensor_bytes(t: Any) -> int:
+    """BYTES a tensor holds: a dense one's ``nbytes``; a sparse COO one's indices and values (SGD's momentum
+    buffer of a sparse gradient is sparse, and ``nbytes`` raises for it); a compressed one's index and value
+    tensors."""
+    import torch
+
+    if t.layout == torch.strided:
+        return int(t.nbytes)
+    if t.is_sparse:
+        return int(t._indices().nbytes + t._values().nbytes)
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return int(t.crow_indices().nbytes + t.col_indices().nbytes + t.values().nbytes)
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return int(t.ccol_indices().nbytes + t.row_indices().nbytes + t.values().nbytes)
+    return int(t.numel() * t.element_size())
+
+
 class TorchOptimizer(LocalOptimizer):
     """The local-optimizer side of DistOpt for a ``torch.optim.Optimizer``.
 
@@ -160,13 +177,12 @@ class TorchOptimizer(LocalOptimizer):
         """BYTES of the tensors in the optimizer's ``state``."""
         import torch
 
-        return sum(v.nbytes for entry in self.optimizer.state.values() for v in entry.values()
+        return sum(tensor_bytes(v) for entry in self.optimizer.state.values() for v in entry.values()
                    if isinstance(v, torch.Tensor))
 
     def grad_bytes(self) -> int:
         """BYTES of the parameters' ``.grad`` tensors (a sparse one's indices and values)."""
-        return sum((g._indices().nbytes + g._values().nbytes) if g.is_sparse else g.nbytes
-                   for g in (p.grad for p in self.params()) if g is not None)
+        return sum(tensor_bytes(g) for g in (p.grad for p in self.params()) if g is not None)
 
     def state_dict(self) -> Any:
         return self.optimizer.state_dict()

@@ -32,8 +32,12 @@ Rules:
   ``.grad`` locally; the next backward outside (the k-th) averages the
   accumulated sum. With ``loss / k`` and ``zero_grad()`` once per update
   this equals the full-batch update.
-* A step skipped by ``check_finite`` sets every ``.grad`` to None, so the
-  following ``step()`` changes nothing.
+* A step skipped by ``check_finite`` leaves every ``.grad`` (of a tensor
+  some rank had a gradient for) filled with NaN, the non-finite average DDP
+  would hold, on every rank and at every ``zero`` stage: ``GradScaler``'s
+  ``unscale_`` finds the inf, skips the step and halves the scale alike
+  everywhere; the following ``step()`` changes nothing (its pre-hook sets
+  these gradients to None first), nor does ``zero_grad()`` keep them.
 * A backward that raises leaves its started reductions in buffers the
   pipeline owns (never in ``.grad``); they are completed and dropped
   before the next reduction, on every rank. With
@@ -62,6 +66,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from ..core.buckets import VIEW_THRESHOLD
+from ..step.agreement import borrowed
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
@@ -70,7 +75,9 @@ from ..strategies.base import Strategy
 from .adapter import TorchOptimizer, as_array, as_tensor
 from .bucket_views import BucketViews
 from .closure import averaged_closure
+from .model_no_sync import attach_no_sync
 from .nested import inside_nested_backward
+from .not_finite import NotFiniteGrads
 from .owners import check_sharing, claim, release
 from .sink import GradientSink
 from .sparse import SparseGrads
@@ -92,7 +99,8 @@ class Follower:
             (``gradient_as_bucket_view``).
         model: the ``torch.nn.Module``, whose ``require_backward_grad_sync``
             attribute (DDP's toggle), when False, makes a backward accumulate
-            as inside ``no_sync()``; None: no such toggle.
+            as inside ``no_sync()``, and which gets DDP's ``model.no_sync()``
+            unless it has one (:mod:`distopt.torch.model_no_sync`); None: no such toggle.
         sink: where the reduced gradients go (:class:`~distopt.torch.sink.GradientSink`:
             ``.grad``; a sharded optimizer's sink: its shard tensors).
 
@@ -101,6 +109,8 @@ class Follower:
         no_sync_depth: nesting depth of ``no_sync()``.
         views: the :class:`~distopt.torch.bucket_views.BucketViews`, or None
             without ``gradient_as_bucket_view``.
+        not_finite: the NaN gradients of a step ``check_finite`` skipped
+            (:class:`~distopt.torch.not_finite.NotFiniteGrads`).
 
     Raises:
         ValueError: ``passes_per_step < 1``.
@@ -121,11 +131,13 @@ class Follower:
         self._stale: BucketPipeline | None = None
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
+        self.not_finite = NotFiniteGrads()
         check_sharing(local.params(), self, lambda indices: [f"#{i} {tuple(local.params()[i].shape)}"
                                                                for i in indices])
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
+        attach_no_sync(model, self, local.handles)
 
     def join_phase(self) -> str:
         """``"no"`` outside ``join()``; inside, ``"first"`` before the first backward of a step, ``"later"``
@@ -242,7 +254,8 @@ class Follower:
         threshold = self.runner.engine.buff_size if fused else self.record.threshold
         grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
         pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], threshold,
-                                     views=False, bucket_view=self.views is not None, grads=grads)
+                                     views=False, bucket_view=self.views is not None, grads=grads,
+                                     shadow=bool(shadow))
         if self.views is not None:
             self.views.bind(pipeline, self._tensors)
         return pipeline
@@ -279,11 +292,15 @@ class Follower:
         grads = [None if shadow else self.sparse.array(t) for t in self._tensors]
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes = 0
-        skipped = self.sparse.reduce(outcome, shadow) or not outcome.applies
+        bad = self.sparse.reduce(outcome, shadow)
+        skipped = bad or not outcome.applies
         self.record.phase = Phase.SKIPPED if skipped else Phase.REDUCED
         self.sink.adopt(pipeline, self._tensors, grads, outcome, skipped, shadow,
                         None if self.views is None else self.views.views)
         self.sparse.give_back(self._tensors, skipped)
+        if skipped and not shadow and outcome.active and (bad or outcome.skipped):  # check_finite
+            sparse = [t for t in self.sparse.owned if self.sparse.is_sparse(t)]
+            self.not_finite.mark(self._tensors, outcome.present, sparse)
         self.local.hook(self._tensors, self.on_grad)
         return outcome
 
@@ -291,6 +308,7 @@ class Follower:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         self._finish_awaited()
         self.drain(outside_backward=True)
+        self.not_finite.drop()
         if not slots(self._current()).gradients.reduces or self.skip_depth:
             return
         phase = self.record.phase
@@ -330,8 +348,9 @@ class Follower:
         """One shadow step of a joined rank (collective); returns the active ranks (0: all joined)."""
         self.drain(outside_backward=True)
         outcome = self.reduce(shadow=True)
-        if outcome.applies:
-            self.local.optimizer.step()  # the pre-hook finds the step reduced; the post-hook finishes it
+        if outcome.applies:  # with the stepping ranks' hyper-parameters (a per-step LR scheduler's lr)
+            with borrowed(self.local.optimizer.param_groups, self.runner.engine.adopted):
+                self.local.optimizer.step()  # the pre-hook finds the step reduced; the post-hook finishes it
         else:
             self.record.phase = Phase.IDLE
         return outcome.active
@@ -339,6 +358,7 @@ class Follower:
     def zero_grad(self, set_to_none: bool) -> None:
         """Complete a raised backward's reductions, then the inner optimizer's ``zero_grad``."""
         self.drain(outside_backward=True)
+        self.not_finite.drop()
         self.sink.before_zero_grad()
         self.local.optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -25,7 +25,7 @@ class Phase(Enum):
     REDUCED = "reduced"
     """``.grad`` holds this step's average (or, with a closure, the closure makes the gradients)."""
     SKIPPED = "skipped"
-    """The ranks agreed to skip this step (``check_finite``): every ``.grad`` is None."""
+    """The ranks agreed to skip this step (``check_finite``): ``.grad`` is NaN (see :mod:`distopt.torch.follower`), None after ``step()``."""
 
 
 @dataclass

@@ -41,119 +41,9 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm.base import Communicator
-from ..errors import CollectiveMismatchError
-from .adapter import as_array
+from .sync_stats import CommRef, global_stats, input_problem, sync_train
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "has_sync_batchnorm"]
-
-_DEVICE_COMMS = ("nccl", "torch")  # backends that reduce CUDA memory in place; the others get host copies
-_JOIN_HINT = ("every rank must run the same SyncBatchNorm layers (same num_features) in the same order in "
-              "training mode; inside DistOpt.join() a rank that has left its loop runs no forward, so "
-              "SyncBatchNorm cannot train there (use even batch counts, e.g. DistributedSampler(drop_last="
-              "True), or nn.BatchNorm inside join())")
-
-
-def _communicator(source: Any, what: str) -> Communicator:
-    """The communicator of ``source``: a Communicator, or anything with ``.comm`` (World, DistOpt, Group).
-
-    Raises:
-        ValueError: ``source.comm`` is None (this rank is not a member of the process group).
-        TypeError: ``source`` is neither.
-    """
-    comm = getattr(source, "comm", source)
-    if comm is None:
-        raise ValueError(f"{what}: {source!r} has no communicator on this rank (.comm is None: this rank is not "
-                         "a member of the process group); build SyncBatchNorm with a group this rank belongs to")
-    if not (hasattr(comm, "all_reduce") and hasattr(comm, "size") and hasattr(comm, "rank")):
-        raise TypeError(f"{what}: comm/group must be a distopt Communicator or have a .comm attribute "
-                        f"(distopt.World, DistOpt, Group); got {type(source).__name__}")
-    return comm
-
-
-class _CommRef:
-    """Holds what ``comm=``/``group=`` named: shared by ``copy.deepcopy``, dropped by pickling."""
-
-    def __init__(self, source: Any, kind: str) -> None:
-        self.source, self.kind, self.resolved = source, kind, None
-        self.lost = False  # True after unpickling an explicit comm: communicators do not travel
-
-    def __deepcopy__(self, memo: dict) -> "_CommRef":
-        return self
-
-    def __getstate__(self) -> dict:
-        return {"source": None, "kind": self.kind, "resolved": None, "lost": self.source is not None}
-
-    def get(self) -> Communicator:
-        if self.resolved is None or getattr(self.resolved, "closed", False):
-            if self.lost:
-                raise RuntimeError("this SyncBatchNorm was unpickled and its communicator did not travel with "
-                                   "it: call set_comm(comm) before training")
-            if self.source is None:
-                from ..launch import world
-
-                found = world.current()
-                self.resolved = (found if found is not None else world.init()).comm
-            else:
-                self.resolved = _communicator(self.source, f"SyncBatchNorm({self.kind}=...)")
-        return self.resolved
-
-
-def _all_reduce(comm: Communicator, packed: torch.Tensor, what: str) -> torch.Tensor:
-    """Sum ``packed`` (a float64 tensor) over ranks, in place where the backend allows; returns the sums.
-
-    Raises:
-        CollectiveMismatchError: ranks disagree (the backend's, with :data:`_JOIN_HINT` added).
-    """
-    buf = packed if packed.device.type == "cpu" or comm.name in _DEVICE_COMMS else packed.cpu()
-    try:
-        comm.all_reduce(as_array(buf), op="sum")
-    except CollectiveMismatchError as exc:
-        raise CollectiveMismatchError(f"{exc}\n{what}: {_JOIN_HINT}") from exc
-    return buf.to(packed.device)
-
-
-def _shape(x: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
-    """The reduction dims of ``x`` (all but the channel dim 1) and the shape that broadcasts a channel vector."""
-    return [0] + list(range(2, x.dim())), (1, x.shape[1]) + (1,) * (x.dim() - 2)
-
-
-class _SyncBatchNormFunction(torch.autograd.Function):
-    """``y = (x - mean) * invstd * weight + bias`` with the global ``mean``/``invstd``; the backward
-    all-reduces the two per-channel gradient sums (torch's ``batch_norm_backward_reduce``/``_elemt``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                mean: torch.Tensor, invstd: torch.Tensor, count: float, comm: Communicator,
-                what: str) -> torch.Tensor:
-        dims, shape = _shape(x)
-        y = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
-        if weight is not None:
-            y = y * weight.to(x.dtype).view(shape)
-        if bias is not None:
-            y = y + bias.to(x.dtype).view(shape)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.count, ctx.comm, ctx.what, ctx.has_bias = count, comm, what, bias is not None
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, weight, mean, invstd = ctx.saved_tensors
-        dims, shape = _shape(x)
-        dy64 = dy.to(torch.float64)
-        xmu = x.to(torch.float64) - mean.view(shape)
-        sums = torch.cat([dy64.sum(dims), (dy64 * xmu).sum(dims)])  # this rank's: bias and weight grads
-        channels = x.shape[1]
-        grad_weight = (sums[channels:] * invstd).to(weight.dtype) if weight is not None else None
-        grad_bias = sums[:channels].to(weight.dtype) if ctx.has_bias else None
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            total = _all_reduce(ctx.comm, sums.clone(), f"{ctx.what} backward") / ctx.count
-            mean_dy, mean_dy_xmu = total[:channels].view(shape), total[channels:].view(shape)
-            scale = invstd if weight is None else invstd * weight.to(torch.float64)
-            grad_x = ((dy64 - mean_dy - xmu * (invstd * invstd).view(shape) * mean_dy_xmu)
-                      * scale.view(shape)).to(x.dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+__all__ = ["SyncBatchNorm", "SyncForward", "convert_sync_batchnorm", "has_sync_batchnorm"]
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -210,11 +100,11 @@ class SyncBatchNorm(_BatchNorm):
         extra = {} if bias else {"bias": False}
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
                          **extra)
-        self._comm_ref = _CommRef(group if group is not None else comm, "group" if group is not None else "comm")
+        self._comm_ref = CommRef(group if group is not None else comm, "group" if group is not None else "comm")
 
     def set_comm(self, comm: Any) -> None:
         """Use ``comm`` (a Communicator, or anything with ``.comm``) from the next training forward on."""
-        self._comm_ref = _CommRef(comm, "comm")
+        self._comm_ref = CommRef(comm, "comm")
 
     @property
     def comm(self) -> Communicator:
@@ -232,14 +122,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _problem(self, x: torch.Tensor) -> str | None:
         """What is wrong with ``x`` for this layer, or None."""
-        if not 2 <= x.dim() <= 5:
-            return (f"expects a 2-D to 5-D input (N, C[, L | H, W | D, H, W]), got a {x.dim()}-D input of shape "
-                    f"{tuple(x.shape)}")
-        if x.shape[1] != self.num_features:
-            return f"expects {self.num_features} channels (dim 1), got input of shape {tuple(x.shape)}"
-        if not x.is_floating_point():
-            return f"expects a floating-point input, got {x.dtype}"
-        return None
+        return input_problem(self.num_features, x)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize ``input`` (see the class docs); collective in training mode (one all-reduce)."""
@@ -258,50 +141,120 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input_dim(input)
             stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
             return F.batch_norm(input, *stats, self.weight, self.bias, True, factor, self.eps)
-        mean, var, count = self._global_stats(input, comm)
-        if self.track_running_stats and self.running_mean is not None:
-            with torch.no_grad():
-                unbiased = var * (count / (count - 1))
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
-        invstd = torch.rsqrt(var + self.eps)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, mean, invstd, count, comm,
-                                            self._what())
+        stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        return sync_train(self, input, *stats, self.weight, self.bias, factor, self.eps, comm, self._what())
 
     def _what(self) -> str:
         return f"SyncBatchNorm({self.num_features})"
 
     def _global_stats(self, x: torch.Tensor, comm: Communicator) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """The global per-channel mean and biased variance (float64) and the global count, in ONE all-reduce.
+        """See :func:`~distopt.torch.sync_stats.global_stats`."""
+        return global_stats(self.num_features, x, comm, self._what())
 
-        A rank whose input is unusable still joins the all-reduce with a NaN count, so every rank raises.
-        """
-        channels = self.num_features
-        problem = self._problem(x)
-        device = x.device if problem is None else torch.device("cpu")
-        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-        if problem is None:
-            dims, _ = _shape(x)
-            with torch.no_grad():
-                x64 = x.detach().to(torch.float64)
-                packed[:channels] = x64.sum(dims)
-                packed[channels:2 * channels] = (x64 * x64).sum(dims)
-                packed[-1] = float(x.numel() // channels) if channels else 0.0
-        else:
-            packed[-1] = float("nan")
-        total = _all_reduce(comm, packed, f"{self._what()} forward")
-        count = float(total[-1])
-        if problem is not None:
-            raise ValueError(f"{self._what()} on rank {comm.rank} {problem}")
-        if count != count:  # NaN: another rank's input was unusable
-            raise ValueError(f"{self._what()}: another rank's input was unusable (see its error); this rank's "
-                             f"input has shape {tuple(x.shape)}")
-        if count <= 1:
-            raise ValueError(f"{self._what()}: expected more than 1 value per channel over all ranks when "
-                             f"training, got {int(count)} (input shape on rank {comm.rank}: {tuple(x.shape)})")
-        mean = total[:channels] / count
-        var = (total[channels:2 * channels] / count - mean * mean).clamp_(min=0.0)
-        return mean, var, count
+
+class _RouteBatchNorm(torch.overrides.TorchFunctionMode):
+    """During one training forward of a converted BatchNorm subclass, send its ``F.batch_norm`` calls (those
+    given the layer's own weight or running statistics, in training mode) through :func:`~distopt.torch.sync_stats.sync_train`.
+    Torch function modes are per thread; every other call passes through unchanged."""
+
+    def __init__(self, layer: Any, comm: Communicator) -> None:
+        super().__init__()
+        self.layer, self.comm, self.routed = layer, comm, 0
+        self.own = [id(t) for t in (layer.weight, layer.bias, layer.running_mean, layer.running_var) if t is not None]
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            call = _batch_norm_args(*args, **kwargs)
+            if call["training"] and any(id(call[k]) in self.own for k in ("weight", "bias", "running_mean",
+                                                                           "running_var") if call[k] is not None):
+                self.routed += 1
+                return sync_train(self.layer, call["input"], call["running_mean"], call["running_var"],
+                                   call["weight"], call["bias"], call["momentum"], call["eps"], self.comm,
+                                   _what(self.layer))
+        return func(*args, **kwargs)
+
+
+def _batch_norm_args(input: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
+                     training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> dict[str, Any]:
+    return {"input": input, "running_mean": running_mean, "running_var": running_var, "weight": weight,
+            "bias": bias, "training": training, "momentum": momentum, "eps": eps}
+
+
+def _what(layer: Any) -> str:
+    return f"{type(layer).__name__}({layer.num_features})"
+
+
+class SyncForward:
+    """What :func:`convert_sync_batchnorm` adds to a BatchNorm subclass with a ``forward`` of its own (timm's
+    ``BatchNormAct2d``: norm, then drop and activation): the class made is a subclass of the user's class,
+    named ``Sync<Name>``, whose training forward runs the user's ``forward`` with its ``F.batch_norm`` call
+    reduced over every rank (as :class:`SyncBatchNorm`'s; the rest of the forward, the activation included,
+    runs unchanged). Eval mode and a world of one rank run the user's ``forward`` as it is.
+
+    Raises (in a training forward, on every rank alike):
+        TypeError: the user's ``forward`` did not call ``torch.nn.functional.batch_norm`` with the layer's own
+            weight, bias or running statistics (so distopt cannot synchronize it), naming the class.
+    """
+
+    _comm_ref: CommRef
+    _unsynced: type
+
+    def set_comm(self, comm: Any) -> None:
+        """Use ``comm`` (a Communicator, or anything with ``.comm``) from the next training forward on."""
+        self._comm_ref = CommRef(comm, "comm")
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator this layer reduces over (as :attr:`SyncBatchNorm.comm`)."""
+        return self._comm_ref.get()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``forward``, its batch statistics over every rank in training mode (collective)."""
+        run = super().forward  # type: ignore[misc]
+        if not self.training:  # type: ignore[attr-defined]
+            return run(*args, **kwargs)
+        comm = self.comm
+        if comm.size == 1:
+            return run(*args, **kwargs)
+        route = _RouteBatchNorm(self, comm)
+        with route:
+            out = run(*args, **kwargs)
+        if not route.routed:
+            raise TypeError(f"convert_sync_batchnorm: {self._unsynced.__module__}.{self._unsynced.__qualname__}."
+                            "forward does not call torch.nn.functional.batch_norm with the layer's own weight or "
+                            "running statistics, so its batch statistics cannot be synchronized; give it a "
+                            "forward that does (or calls super().forward), or keep it out of the conversion")
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """Pickled as the user's class made synchronized again on load (the class made here has no import
+        path); its communicator does not travel (``set_comm`` after loading, as :class:`SyncBatchNorm`)."""
+        return (_new_synced, (self._unsynced,), self.__getstate__())  # type: ignore[attr-defined]
+
+
+_SYNCED: dict[type, type] = {}
+
+
+def _synced_class(cls: type) -> type:
+    """The ``Sync<Name>`` subclass of ``cls`` (:class:`SyncForward` first in its MRO), made once per class."""
+    made = _SYNCED.get(cls)
+    if made is None:
+        made = _SYNCED[cls] = type(f"Sync{cls.__name__}", (SyncForward, cls),
+                                   {"__module__": cls.__module__, "_unsynced": cls,
+                                    "__doc__": f"{cls.__name__}, synchronized by distopt.convert_sync_batchnorm "
+                                               "(see distopt.torch.sync_batchnorm.SyncForward)."})
+    return made
+
+
+def _new_synced(cls: type) -> Any:
+    return _synced_class(cls).__new__(_synced_class(cls))
+
+
+def _reproduced(cls: type) -> bool:
+    """Whether :class:`SyncBatchNorm` reproduces ``cls``'s forward (it is ``_BatchNorm``'s or torch's
+    SyncBatchNorm's own, not a subclass's)."""
+    return cls.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward)
 
 
 def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any = None) -> torch.nn.Module:
@@ -312,6 +265,15 @@ def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any
     dtype, ``requires_grad``), ``num_features``, ``eps``, ``momentum``,
     ``affine``, ``track_running_stats``, training mode and ``qconfig``.
     Layers that are already distopt SyncBatchNorm are kept as they are.
+
+    A BatchNorm subclass whose ``forward`` is its own (timm's ``BatchNormAct2d``:
+    norm, drop, activation) keeps it: the layer stays the same object, its
+    class becomes ``Sync<Name>``, a subclass of its own (:class:`SyncForward`,
+    as timm's ``SyncBatchNormAct``), whose training forward reduces the
+    ``F.batch_norm`` call of that ``forward`` over every rank. A
+    ``forward`` that makes no such call raises ``TypeError`` naming the class at
+    the first training forward, on every rank. Subclasses without a
+    ``forward`` of their own become :class:`SyncBatchNorm`, as torch's do.
 
     Args:
         module: a model, or one BatchNorm layer.
@@ -326,25 +288,37 @@ def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any
         ValueError: ``comm`` and ``group`` both given; an uninitialized lazy
             BatchNorm (run one forward before converting).
     """
+    if comm is not None and group is not None:
+        raise ValueError("convert_sync_batchnorm: pass comm= or group=, not both")
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, _BatchNorm) and not isinstance(module, (SyncBatchNorm, SyncForward)):
         if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"convert_sync_batchnorm: {type(module).__name__} is not initialized yet; run one "
                              "forward pass before converting")
-        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, comm=comm, group=group,
-                            bias=module.bias is not None or not module.affine)
-        if module.affine:
-            out.weight = module.weight
-            out.bias = module.bias
-        out.running_mean = module.running_mean
-        out.running_var = module.running_var
-        out.num_batches_tracked = module.num_batches_tracked
-        out.training = module.training
-        if hasattr(module, "qconfig"):
-            out.qconfig = module.qconfig
+        if _reproduced(type(module)):
+            out = _replacement(module, comm, group)
+        else:  # a forward of its own (norm + activation): kept, its batch norm synchronized
+            module.__class__ = _synced_class(type(module))
+            module._comm_ref = CommRef(group if group is not None else comm, "group" if group is not None else "comm")
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, comm, group))
+    return out
+
+
+def _replacement(module: Any, comm: Any, group: Any) -> SyncBatchNorm:
+    """A :class:`SyncBatchNorm` holding ``module``'s tensors and settings (see :func:`convert_sync_batchnorm`)."""
+    out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                        module.track_running_stats, comm=comm, group=group,
+                        bias=module.bias is not None or not module.affine)
+    if module.affine:
+        out.weight = module.weight
+        out.bias = module.bias
+    out.running_mean = module.running_mean
+    out.running_var = module.running_var
+    out.num_batches_tracked = module.num_batches_tracked
+    out.training = module.training
+    if hasattr(module, "qconfig"):
+        out.qconfig = module.qconfig
     return out
 
 
@@ -352,4 +326,4 @@ def has_sync_batchnorm(module: Any) -> bool:
     """True if ``module`` (a ``torch.nn.Module``, or anything else: False) contains a :class:`SyncBatchNorm`;
     for ``DistOpt.join()`` to refuse, on every rank alike, a model it cannot shadow."""
     modules = getattr(module, "modules", None)
-    return callable(modules) and any(isinstance(m, SyncBatchNorm) for m in modules())
+    return callable(modules) and any(isinstance(m, (SyncBatchNorm, SyncForward)) for m in modules())

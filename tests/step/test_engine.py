@@ -406,7 +406,7 @@ def test_steady_state_step_after_backward_costs_one_control_collective(kind):
     """The step header settles a step whose gradients are known, present and finite everywhere;
     a rank missing a gradient costs the flags all-reduce as well."""
     cls, kwargs, call = STRATEGIES[kind]
-    header, flags = ("all_gather", 6), ("all_reduce", 2 + 2)  # 6 int64; one int32 per parameter + 2
+    header, flags = ("all_gather", 8), ("all_reduce", 2 + 2)  # 8 int64; one int32 per parameter + 2
 
     def rank_fn(rank, comm):
         opt = _opt(comm, strategy=cls(**kwargs), buffSize=16)

@@ -1,0 +1,67 @@
+"""DDP's ``model.no_sync()`` on the model given as ``DistOpt(..., model=model)``.
+
+A DDP script accumulates gradients with ``with model.no_sync():`` (the
+model is the DDP wrapper), and code written for both (timm's ``train.py``)
+asks ``hasattr(model, "no_sync")`` before using it; without it, every
+micro-batch is all-reduced. So, with ``model=``, the model gets a
+``no_sync`` attribute that is ``opt.no_sync`` (backward passes inside
+accumulate in ``.grad`` without communicating; the first backward after the
+block, or ``step()``, averages the sum), unless the model already has a
+``no_sync`` of its own, which is left alone. The attribute is an instance
+attribute of that model only (never its class); ``opt.close()`` removes it.
+It travels with ``copy.deepcopy`` (an EMA copy of the model: the copy shares
+it) and with pickling (``torch.save(model)``: a stand-in that does not
+communicate, replaced by the next DistOpt built over the model).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+import weakref
+
+__all__ = ["ModelNoSync", "attach_no_sync"]
+
+
+class ModelNoSync:
+    """``model.no_sync``: calls the follower's ``no_sync()`` (a weak reference: the model does not keep
+    the DistOpt alive); a context that does nothing once the follower is gone or after unpickling."""
+
+    def __init__(self, follower: Any = None) -> None:
+        self._follower = None if follower is None else weakref.ref(follower)
+
+    def __call__(self) -> ContextManager[None]:
+        follower = None if self._follower is None else self._follower()
+        return nullcontext() if follower is None else follower.no_sync()
+
+    def __deepcopy__(self, memo: dict) -> "ModelNoSync":
+        return self
+
+    def __reduce__(self) -> Any:
+        return (ModelNoSync, ())
+
+    def __repr__(self) -> str:
+        return "<DistOpt.no_sync of the model's DistOpt>"
+
+
+class _Detach:
+    """A hook-like handle (``remove()``) that takes ``model.no_sync`` away again, if it is still ours."""
+
+    def __init__(self, model: Any, attached: ModelNoSync) -> None:
+        self.model, self.attached = model, attached
+
+    def remove(self) -> None:
+        if self.model.__dict__.get("no_sync") is self.attached:
+            del self.model.__dict__["no_sync"]
+
+
+def attach_no_sync(model: Any, follower: Any, handles: list[Any]) -> None:
+    """Give ``model`` (None: nothing) a ``no_sync`` calling ``follower.no_sync()`` unless it has one of its
+    own (an earlier DistOpt's :class:`ModelNoSync` is replaced); append its remover to ``handles``."""
+    if model is None:
+        return
+    own = getattr(model, "no_sync", None)
+    if own is not None and not isinstance(own, ModelNoSync):
+        return
+    attached = ModelNoSync(follower)
+    object.__setattr__(model, "no_sync", attached)
+    handles.append(_Detach(model, attached))

@@ -278,13 +278,21 @@ class ShardedTorchStep(GradientSink):
         return handles
 
     # ---------------------------------------------------------- clipping
-    def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:  # noqa: ARG002
-        """Scale the shard gradients so the global ``norm_type`` norm is at most ``max_norm`` (collective:
-        one all-reduce of the shards' norms; ``torch.nn.utils.clip_grad_norm_``'s formula). Returns the
-        global norm (a 0-dim float32 tensor)."""
+    def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
+        """Clip by the global ``norm_type`` norm; returns it (a 0-dim float32 tensor).
+
+        Stage 1 (``.grad`` holds the whole average), and any stage outside a
+        reduced step (a skipped one's NaN ``.grad``): ``torch.nn.utils.clip_grad_norm_``
+        over ``params``, bitwise ``zero=0``'s. Stage 2: the shard gradients
+        are scaled by the norm over every rank's shard (collective: one
+        all-reduce of the shards' norms; torch's formula, the squares summed
+        in another order).
+        """
         import torch
 
-        grads = [s.grad for s in self.shards if s.grad is not None] if self.swapped else []
+        if self.stage == 1 or not self.swapped:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        grads = [s.grad for s in self.shards if s.grad is not None]
         p = float(norm_type)
         inf = p == float("inf")
         local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0) if inf else \

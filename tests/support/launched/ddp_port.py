@@ -80,12 +80,11 @@ def digest(tensors: object) -> str:
 def train(variant: str, rank: int, steps: range, model: torch.nn.Module, opt: torch.optim.Optimizer,
           sched: torch.optim.lr_scheduler.LRScheduler, wrapped: torch.nn.Module, clip: object) -> list[float]:
     losses = []
-    no_sync = wrapped.no_sync if hasattr(wrapped, "no_sync") else opt.no_sync  # TEMP
     for s in steps:
         opt.zero_grad()
         for m in range(MICRO):
             x, y = batch(rank, s, m)
-            with no_sync() if m < MICRO - 1 else nullcontext():
+            with wrapped.no_sync() if m < MICRO - 1 else nullcontext():
                 loss = F.cross_entropy(wrapped(x), y) / MICRO
                 loss.backward()
         losses.append(loss.item())

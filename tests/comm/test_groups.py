@@ -310,13 +310,14 @@ AUTO = textwrap.dedent("""
     import distopt
     from distopt.comm.hierarchy import HierarchicalCommunicator
     world = distopt.init(timeout=20)
-    choice = {"auto": None, "off": False, "on": True}[sys.argv[1]]
-    opt = distopt.DistOpt(distopt.SGD(lr=0.1), hierarchical=choice, world=world)
-    x = np.full(100_000, world.rank + 1.0, dtype=np.float32)
-    opt.all_reduce(x)
-    print(f"RANK {world.rank} {socket.gethostname()} {isinstance(opt.comm, HierarchicalCommunicator)} "
-          f"{float(x[0])}", flush=True)
-    opt.close()
+    for name in sys.argv[1:]:  # one DistOpt per choice, in turn, over the same world
+        choice = {"auto": None, "off": False, "on": True}[name]
+        opt = distopt.DistOpt(distopt.SGD(lr=0.1), hierarchical=choice, world=world)
+        x = np.full(100_000, world.rank + 1.0, dtype=np.float32)
+        opt.all_reduce(x)
+        print(f"RANK {world.rank} {name} {socket.gethostname()} {isinstance(opt.comm, HierarchicalCommunicator)} "
+              f"{float(x[0])}", flush=True)
+        opt.close()
 """)
 
 #: Gives each rank its own UTS namespace with host name node<rank // 2>, then runs the rest of argv.
@@ -325,16 +326,17 @@ _UTS = ["unshare", "--uts", "sh", "-c", 'hostname "node$(( ${PMI_RANK:-${RANK:-0
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare for a UTS namespace (host name) per rank")
-@pytest.mark.parametrize(("launcher", "choice", "expect"), [("mpiexec", "auto", False), ("mpiexec", "on", True),
-                                                            ("mpiexec", "off", False), ("torchrun", "auto", True),
-                                                            ("torchrun", "off", False)])
+@pytest.mark.parametrize(("launcher", "expected"), [("mpiexec", {"auto": False, "on": True, "off": False}),
+                                                   ("torchrun", {"auto": True, "off": False})],
+                         ids=["mpiexec", "torchrun"])
 @pytest.mark.world
-def test_hierarchical_is_chosen_from_the_host_names(tmp_path, launcher, choice, expect):
+def test_hierarchical_is_chosen_from_the_host_names(tmp_path, launcher, expected):
     """Ranks in UTS namespaces node0, node0, node1, node1: the automatic choice is hierarchical on the torch
-    backend only (MPI's own all-reduce keeps its traffic inside the nodes); True and False are obeyed."""
+    backend only (MPI's own all-reduce keeps its traffic inside the nodes); True and False are obeyed.
+    One job per launcher builds a DistOpt for each choice in turn."""
     script = tmp_path / "auto.py"
     script.write_text(AUTO)
-    argv = [*_UTS, sys.executable, str(script), choice]
+    argv = [*_UTS, sys.executable, str(script), *expected]
     if launcher == "mpiexec":
         res = run_job(argv, n=4, timeout=90)
         streams = rank_streams(res.stdout)  # ranks' lines interleave, even mid-line
@@ -347,5 +349,6 @@ def test_hierarchical_is_chosen_from_the_host_names(tmp_path, launcher, choice, 
         out = res.stdout + res.stderr
         streams = {r: res.stdout for r in range(4)}  # whole lines may share a line: search all of it
     assert res.returncode == 0, out[-4000:]
-    for r in range(4):
-        assert f"RANK {r} node{r // 2} {expect} 10.0" in streams.get(r, ""), out[-4000:]
+    for choice, expect in expected.items():
+        for r in range(4):
+            assert f"RANK {r} {choice} node{r // 2} {expect} 10.0" in streams.get(r, ""), (choice, out[-4000:])

@@ -1,4 +1,4 @@
-"""Run several documentation code blocks in one MPI job, one after the other.
+"""Run several documentation code blocks in one MPI job (or one plain process), one after the other.
 
 ``mpiexec -n N python run_blocks.py MANIFEST RESULTS``: MANIFEST is a JSON
 list of ``{"id", "path", "workdir"}``; every rank executes each block's file
@@ -7,6 +7,11 @@ with its stdout captured. After each block the ranks exchange their outcome
 (over ``MPI.COMM_WORLD``, not through distopt) and stop at the first block
 that failed on any rank, since the ranks may be out of step after it. Rank 0
 writes RESULTS: ``{id: {"ok", "seconds", "ranks": [{"ok", "error", "stdout"}]}}``.
+
+``python run_blocks.py --local MANIFEST RESULTS`` runs the blocks in this one
+process, without MPI (the plain-``python`` blocks): each block's outcome is
+written as it finishes, and the process environment, ``sys.path`` and
+``sys.argv`` are restored after each block.
 
 Starting Python, mpi4py and PyTorch once for all blocks keeps the
 documentation tests fast; each block still starts from a fresh namespace
@@ -22,8 +27,6 @@ import os
 import sys
 import time
 import traceback
-
-from mpi4py import MPI
 
 
 def run_one(path: str, workdir: str) -> tuple[bool, str, str]:
@@ -47,7 +50,30 @@ def run_one(path: str, workdir: str) -> tuple[bool, str, str]:
         os.chdir(cwd)
 
 
+def main_local(manifest_path: str, results_path: str) -> int:
+    """Every block of the manifest in this process, the environment restored after each."""
+    with open(manifest_path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    results = {}
+    for block in manifest:
+        env, path, argv = dict(os.environ), list(sys.path), list(sys.argv)
+        start = time.perf_counter()
+        ok, error, stdout = run_one(block["path"], block["workdir"])
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:], sys.argv[:] = path, argv
+        results[block["id"]] = {"ok": ok, "seconds": time.perf_counter() - start,
+                                "ranks": [{"ok": ok, "error": error, "stdout": stdout}]}
+        with open(results_path, "w", encoding="utf-8") as f:  # after every block: a later crash keeps these
+            json.dump(results, f)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "--local":
+        return main_local(*argv[1:])
+    from mpi4py import MPI
+
     manifest_path, results_path = argv
     with open(manifest_path, encoding="utf-8") as f:
         manifest = json.load(f)

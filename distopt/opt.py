@@ -326,8 +326,8 @@ class DistOpt(SingaMethods, CollectiveMethods):
 
         Releases only what this DistOpt owns: a communicator it built, or one given as ``comm=``. The
         world of :func:`distopt.init` (or ``world=``) that other DistOpts, SyncBatchNorm layers and groups
-        share stays open until its last DistOpt closes (then it is closed too); a group's communicator
-        (``group=``) stays open. On MPI a close is bounded: see
+        share stays open while the script holds it (until ``world.close()``) or another DistOpt uses it; the
+        last of them to let go closes it. A group's communicator (``group=``) stays open. On MPI a close is bounded: see
         :meth:`distopt.comm.mpi.MPICommunicator.close`."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         if self.follower is not None:

@@ -38,6 +38,7 @@ from .. import comm as _comm
 from . import ranks
 from .info import JOB_ID_ENV, Launch
 from ..comm.base import Communicator
+from ..errors import CommunicatorClosedError
 from ..comm.groups import Group, split
 from ..comm.hierarchy import hierarchical_for
 
@@ -165,24 +166,40 @@ class World:
 
     comm: Communicator
     info: ranks.RankInfo
-    _users: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+    _users: list[int] = field(default_factory=lambda: [0, 0], init=False, repr=False, compare=False)
 
     @property
     def users(self) -> int:
-        """How many DistOpts and process groups use this world now (see :meth:`acquire`)."""
-        return self._users[0]
+        """How many hold this world now: the DistOpts built on it, and the script while it holds the
+        world of :func:`init` (until :meth:`close`)."""
+        return self._users[0] + self._users[1]
 
     def acquire(self) -> None:
-        """Count one more user (a DistOpt built on this world, a process group split from it)."""
+        """Count one more DistOpt on this world.
+
+        Raises:
+            CommunicatorClosedError: the world's communicator is closed already.
+        """
+        if getattr(self.comm, "closed", False):
+            raise CommunicatorClosedError(
+                f"DistOpt(world=...) on the closed {self.comm.name} communicator (rank {self.rank} of "
+                f"{self.world_size}): the world was closed (world.close(), or its last DistOpt closed); "
+                "call distopt.init() again for a new one")
         self._users[0] += 1
 
+    def hold(self) -> None:
+        """The script holds the world (what :func:`init` does), until :meth:`close`; idempotent."""
+        self._users[1] = 1
+
     def release(self) -> None:
-        """Count one user less; the last user's release closes the communicator (collective on MPI: see
-        its ``close``). A release past zero does nothing."""
-        if self._users[0] <= 0:
-            return
-        self._users[0] -= 1
-        if self._users[0] == 0:
+        """Count one DistOpt less; when nobody holds the world any more, its communicator closes
+        (collective on MPI: see its ``close``). A release past zero does nothing."""
+        if self._users[0] > 0:
+            self._users[0] -= 1
+            self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        if self.users == 0:
             self.comm.close()
 
     @property
@@ -211,8 +228,10 @@ class World:
         return self.comm.name
 
     def close(self) -> None:
-        """Close the communicator now, whoever still uses it (idempotent)."""
-        self.comm.close()
+        """Let go of the world (idempotent): its communicator closes now, or, while DistOpts still use
+        it, when the last of them closes."""
+        self._users[1] = 0
+        self._close_if_unused()
 
 
 _current: World | None = None
@@ -222,7 +241,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
     """Join the job now and return where this process stands, e.g. to scale the learning rate.
 
     Idempotent: a second call returns the same :class:`World` while its
-    communicator is open. Example::
+    communicator is open. The script holds the world until ``world.close()``
+    (or exit); DistOpts built on it share it and never close it while the
+    script holds it. Example::
 
         world = distopt.init()
         sgd = torch.optim.SGD(model.parameters(), lr=0.01 * world.world_size)
@@ -242,9 +263,11 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
         if backend is not None and backend != _current.comm.name:
             raise ValueError(f"distopt.init() already joined the job over {_current.comm.name!r}; "
                              f"got backend={backend!r}")
+        _current.hold()
         return _current
     comm, info = build_world(backend=backend, timeout=timeout)
     _current = World(comm, info)
+    _current.hold()
     return _current
 
 
@@ -295,12 +318,14 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
     communicator and a world's are shared: the DistOpt gets a
     :func:`shared_view` (its calls raise once it is released), the group's
     communicator stays open, and the world counts one user more
-    (:meth:`World.acquire`): the release of its last user closes it.
+    (:meth:`World.acquire`): it closes when neither the script (the holder
+    of :func:`init`'s world, until ``world.close()``) nor any DistOpt uses it.
 
     Raises:
         ValueError: as :func:`build_world`; a rank outside ``group``; as
             :func:`~distopt.comm.hierarchy.hierarchical_for`.
         BackendUnavailableError: as :func:`build_world`.
+        CommunicatorClosedError: ``world`` is closed.
     """
     if group is not None:
         if not isinstance(group, Group):
@@ -316,8 +341,8 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
                 made.close)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)
     if world is not None:
+        world.acquire()  # raises on a closed world: a view of freed MPI objects must never be made
         made = hierarchical_for(shared_view(world.comm), hierarchical)
-        world.acquire()
         done = [False]
 
         def release() -> None:
@@ -360,7 +385,4 @@ def new_group(ranks: Iterable[int], world: World | None = None, name: str | None
             :func:`~distopt.comm.groups.split` (bad ranks, ranks that
             disagree on the members, a backend without groups).
     """
-    parent = world if world is not None else init()
-    group = split(parent.comm, ranks, name)
-    parent.acquire()  # a group is a user of its world for good: the world then stays open until exit or World.close()
-    return group
+    return split((world if world is not None else init()).comm, ranks, name)

@@ -34,25 +34,33 @@ def fresh_world(monkeypatch):
 @pytest.mark.unit
 def test_closing_one_distopt_keeps_the_init_world_for_the_others(fresh_world):
     first, second = DistOpt(SGD(lr=1.0)), DistOpt(SGD(lr=1.0))
-    assert fresh_world.users == 2
+    assert fresh_world.users == 3  # the script (init) and two DistOpts
     first.close()
     assert not fresh_world.comm.closed and world_mod.current() is fresh_world
     with pytest.raises(CommunicatorClosedError, match="closed single communicator"):
         _step(first)
     assert _step(second) == -1.0  # the other DistOpt still trains over the shared world
-    second.close()  # the last user: the world closes with it
+    second.close()
+    assert not fresh_world.comm.closed  # the script still holds it: later DistOpts share it again
+    third = DistOpt(SGD(lr=1.0), world=fresh_world)
+    fresh_world.close()  # the script lets go while a DistOpt uses it: it stays open for that one
+    assert not fresh_world.comm.closed and _step(third) == -1.0
+    third.close()  # the last user: the world closes with it
     assert fresh_world.comm.closed and world_mod.current() is None and fresh_world.users == 0
-    second.close()  # idempotent: no second release
+    third.close()  # idempotent: no second release
     assert fresh_world.users == 0
+    with pytest.raises(CommunicatorClosedError, match="world was closed"):
+        DistOpt(SGD(lr=1.0), world=fresh_world)
 
 
 @pytest.mark.unit
 def test_world_given_explicitly_is_shared_too(fresh_world):
     opt = DistOpt(SGD(lr=1.0), world=fresh_world)
-    group = distopt.new_group([0], world=fresh_world)  # a group uses the world for good
+    group = distopt.new_group([0], world=fresh_world)
     opt.close()
     assert not fresh_world.comm.closed and fresh_world.users == 1
     assert group.comm is not None and not group.comm.closed
+    group.close()
 
 
 @pytest.mark.unit

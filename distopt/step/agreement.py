@@ -34,10 +34,11 @@ def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str,
             setting, or the first parameter whose shape or dtype (or
             existence) differs, with every rank's value.
     """
-    fields: dict[str, Any] = {f"setting {k!r}": v for k, v in sorted(settings.items())}
+    first = sorted(settings, key=lambda k: (k != "strategy", k))  # the strategy's name before its settings
+    fields: dict[str, Any] = {f"setting {k!r}": settings[k] for k in first}
     fields.update({f"parameter #{i}": _describe((list(p.shape), str(p.dtype))) for i, p in enumerate(params)})
     show = {name: repr for name in fields if name.startswith("setting ")}
-    agree(comm, fields, call="parameter check", error=CollectiveMismatchError, show=show,
+    agree(comm, fields, call="settings and parameters", error=CollectiveMismatchError, show=show,
           hint="every rank must build the same model, pass its parameters in the same order, and call the "
                "same strategy with the same settings")
 

@@ -434,13 +434,13 @@ def _script_module(name: str):
 
 
 def _parses(parse, argv: list[str]):
-    """``parse(argv)``, an argparse failure (SystemExit) turned into a test failure with its message."""
+    """``(parse(argv), None)``, or ``(None, message)`` where argparse refuses ``argv`` (its SystemExit)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return parse(argv)
+            return parse(argv), None
     except SystemExit as exc:
-        pytest.fail(f"{argv} does not parse (exit {exc.code}): {err.getvalue()[-3000:]}")
+        return None, f"{argv} does not parse (exit {exc.code}): {err.getvalue()[-3000:]}"
 
 
 def _check_cnn_args(arg_lists: list[list[str]], tmp_path: Path) -> None:  # noqa: ARG001
@@ -448,7 +448,8 @@ def _check_cnn_args(arg_lists: list[list[str]], tmp_path: Path) -> None:  # noqa
     pytest.importorskip("torch")
     cnn_mpi = _script_module("cnn_mpi")
     for args in arg_lists:
-        _parses(cnn_mpi.parse_args, args)
+        _, error = _parses(cnn_mpi.parse_args, args)
+        assert error is None, error
 
 
 def _rank0_lines(out: str) -> list[str]:
@@ -579,9 +580,11 @@ def check_train_runs(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
     runs = _script_args(block, "benchmarks/train.py")
     cnn_mpi, train = _script_module("cnn_mpi"), _script_module("train")
     for argv in runs:
-        args = _parses(train.parse_args, argv)
+        args, error = _parses(train.parse_args, argv)
+        assert error is None, error
         assert set(args.strategies.split(",")) <= set(train.STRATEGIES), args.strategies
-        _parses(cnn_mpi.parse_args, args.rest)
+        _, error = _parses(cnn_mpi.parse_args, args.rest)
+        assert error is None, error
     page = (DOCS / block.page).read_text()
     for argv in _script_args(block, "benchmarks/plot_train.py"):
         png = Path(argv[argv.index("--png") + 1])
@@ -603,9 +606,11 @@ def check_netsim_runs(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
     runs = _script_args(block, "benchmarks/netsim.py")
     netsim = _script_module("netsim")
     for argv in runs:
-        args = _parses(netsim.parse_args, argv)
+        args, error = _parses(netsim.parse_args, argv)
+        assert error is None, error
         if args.rest:
-            _parses(_script_module("cnn_mpi").parse_args, args.rest)
+            _, error = _parses(_script_module("cnn_mpi").parse_args, args.rest)
+            assert error is None, error
 
 
 def check_mpich_tcp(block: Block, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ from tests.support.harness import run_mpi_suite
 def _inner_suite(n: int, timeout: float = 60.0) -> str:
     """Rank 0's output of the inner suite mpi_checkpoint.py on the MPI pool at W=n (a running world
     is all it needs: no fresh job)."""
-    return run_mpi_suite("mpi_checkpoint.py", n, timeout, collective_timeout=10.0)[0]
+    outs = run_mpi_suite("mpi_checkpoint.py", n, timeout, collective_timeout=10.0)
+    assert len(outs) == n, outs  # every rank reported
+    return outs[0]
 
 
 @pytest.mark.timeout(90)

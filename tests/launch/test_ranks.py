@@ -314,6 +314,7 @@ def test_two_processes_resolve_from_mpi():
     start = time.monotonic()
     outs = run_mpi_suite("mpi_ranks.py", 2, 60.0)
     elapsed = time.monotonic() - start
+    assert len(outs) == 2, outs  # both ranks reported
     assert [out.count("2 passed") for out in outs] == [1, 1], outs  # one line per rank
     assert elapsed < 30.0, f"2-process rank check took {elapsed:.1f} s"
 

@@ -3,9 +3,14 @@
 Each test launches one job (its variants run inside it, see the scripts in ``tests/support/faults``)
 under a guard; an overrun kills the job and fails naming every rank that did not finish and the
 phase it was in (``$DISTOPT_TEST_PROGRESS``, :mod:`tests.support.faults.teardown_progress`).
+
+The jobs spend most of their time asleep (ranks arriving seconds apart, collective timeouts), so the
+launches of every selected test start together, each in a thread of its own (the ``launches``
+fixture); each test then checks its own jobs' outcomes, and a job's guard still bounds it alone.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -14,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,15 +83,42 @@ def _lines(case: str, out: str, rank: int) -> dict[str, str]:
     return dict(re.findall(rf"^{case} {rank} (\S+) (.*?)\s*$", out, re.MULTILINE))
 
 
+H84_LAUNCHERS = ["mpiexec", "torchrun"]
+H85_LAUNCHERS = ["mpiexec", "torchrun", "distopt.launch"]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _h84(launcher: str) -> tuple:
+    """H84's two jobs, one after the other: ``late`` (with ``close``), then ``raise``."""
+    return launch(launcher, "h84_async.py", "late", guard=45), launch(launcher, "h84_async.py", "raise", guard=45)
+
+
+@pytest.fixture(scope="module")
+def launches(request):
+    """The jobs of the selected tests of this module, started at once: ``(test, launcher) -> future``."""
+    selected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+    jobs = {}
+    for launcher in H84_LAUNCHERS:
+        if f"test_h84_async_handle_faults[{launcher}]" in selected and (launcher != "torchrun" or HAVE_TORCH):
+            jobs[("h84", launcher)] = (_h84, launcher)
+    for launcher in H85_LAUNCHERS:
+        if f"test_h85_teardown_with_ranks_arriving_apart[{launcher}]" in selected and (
+                launcher != "torchrun" or HAVE_TORCH):
+            jobs[("h85", launcher)] = (lambda la: launch(la, "h85_teardown.py", guard=150), launcher)
+    pool = ThreadPoolExecutor(max_workers=max(len(jobs), 1))
+    yield {key: pool.submit(fn, arg) for key, (fn, arg) in jobs.items()}
+    pool.shutdown(wait=True)
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+@pytest.mark.parametrize("launcher", H84_LAUNCHERS)
 @pytest.mark.job
-def test_h84_async_handle_faults(launcher):
+def test_h84_async_handle_faults(launcher, launches):
     """``late`` and ``close`` in one job (guard 45 s, the two variants' 30 s each in one launch); ``raise``
     in a job of its own, which must end within 30 s (it fails: a rank raised)."""
     if launcher == "torchrun":
         pytest.importorskip("torch")
-    code, outs, _ = launch(launcher, "h84_async.py", "late", guard=45)
+    (code, outs, _), raised_job = launches[("h84", launcher)].result()
     for r in range(2):
         got = _lines("H84", outs[r], r)
         assert code == 0, f"exit code {code}\n{outs[r][-3000:]}"
@@ -93,20 +126,20 @@ def test_h84_async_handle_faults(launcher):
         assert re.search(rf"(rank |arrive: ){1 - r}\b", raised), f"rank {r}'s timeout does not name rank {1 - r}: {got}"
         assert "late-closed" in got, got
     assert "close-closed" in _lines("H84", outs[0], 0), outs[0][-3000:]
-    code, outs, seconds = launch(launcher, "h84_async.py", "raise", guard=45)
+    code, outs, seconds = raised_job
     assert code != 0 and seconds < 30, f"exit code {code} after {seconds:.0f} s\n{outs[0][-3000:]}"
     assert "ValueError: boom" in outs[1], outs[1][-3000:]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun", "distopt.launch"])
+@pytest.mark.parametrize("launcher", H85_LAUNCHERS)
 @pytest.mark.job
-def test_h85_teardown_with_ranks_arriving_apart(launcher):
+def test_h85_teardown_with_ranks_arriving_apart(launcher, launches):
     """slowclose, asyncclose, order and slowexit in one job: exit 0, every close returns well within the
     60 s guard of a variant (MPI: at most two timeouts per communicator), no leak warning at exit."""
     if launcher == "torchrun":
         pytest.importorskip("torch")
-    code, outs, _ = launch(launcher, "h85_teardown.py", guard=150)
+    code, outs, _ = launches[("h85", launcher)].result()
     for r in range(2):
         assert code == 0, f"exit code {code}\n{outs[r][-3000:]}"
         got = _lines("H85", outs[r], r)

@@ -146,6 +146,6 @@ def run_mpi_suite(suite: str, n: int, timeout: float = 240.0, *extra: str, colle
     failed = [(r, out) for r, (code, out) in enumerate(results) if code != 0]
     if failed:
         discard("mpi", n)
-        raise AssertionError(f"{suite} failed at -n {n}:\n" + "\n".join(
-            f"--- rank {r} (exit {results[r][0]}) ---\n{out[-6000:]}" for r, out in failed))
+    assert not failed, f"{suite} failed at -n {n}:\n" + "\n".join(
+        f"--- rank {r} (exit {results[r][0]}) ---\n{out[-6000:]}" for r, out in failed)
     return [out for _, out in results]

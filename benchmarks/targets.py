@@ -34,8 +34,10 @@ def step_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, 
     """``(target, goal, measured, met)`` from step.py's ``targets`` (all "at most" goals)."""
     names = ["step no-op / fastest raw", "step no-op / layout-avg (raw sums + the division)",
              "step SGD / (fastest raw + update)", "half fp16 / dense step", "half bf16 / dense step",
-             "top-K 1% / dense step", "top-K 0.1% / dense step", "control collectives per dense step",
-             "dense extra memory / gradient bytes"]
+             "top-K 1% / dense step", "top-K 0.1% / dense step", "DGC 1% / dense step",
+             "PowerSGD rank 2 / dense step", "control collectives per dense step",
+             "dense extra memory / gradient bytes", "zero=1 SGD step / dense SGD step",
+             "zero=2 SGD step / dense SGD step", "zero=1 Adam step / dense Adam step"]
     targets = (run or {}).get("targets", {})
     rows = []
     for name in names:

@@ -65,14 +65,19 @@ def test_step_smoke(tmp_path):
     assert res.returncode == 0, res.stdout[-6000:]
     data = _load(out, "step")
     assert data["config"]["tensors"] == 161
-    expected = {"raw", "naive", "step", "step_noop", "half", "topk1", "topk01", "thresh", "partial"}
+    expected = {"raw", "naive", "step", "step_noop", "half", "topk1", "topk01", "thresh", "partial", "dgc",
+                "powersgd", "copy", "zero1", "zero2"}
     assert expected <= set(data["results"]) | set(data["skipped"])
     if HAVE_TORCH:
         assert "ddp" in data["results"]
     for key, rec in data["results"].items():
-        assert {"time_ms", "min_ms", "x_raw", "wire_MB", "dense_MB", "wire_ratio"} <= set(rec), key
+        assert {"time_ms", "min_ms", "cpu_ms", "copy_passes", "x_raw", "wire_MB", "dense_MB", "wire_ratio"
+                } <= set(rec), key
+        assert rec["cpu_ms"] > 0 and rec["copy_passes"] > 0, key
     assert data["results"]["topk1"]["density"] == pytest.approx(0.01, rel=0.05)
     assert data["results"]["step_noop"]["control_per_step"] == 1.0  # the step header alone
+    assert data["results"]["copy"]["copy_passes"] == pytest.approx(1.0)
+    assert data["results"]["dgc"]["wire_ratio"] < 0.1 and data["results"]["powersgd"]["wire_ratio"] < 0.1
     table = subprocess.run([sys.executable, str(BENCH / "targets.py"), "--step", str(out), "--allreduce",
                             str(tmp_path / "none.json"), "--train", str(tmp_path / "none.json"),
                             "--overlap", str(tmp_path / "none.json")],

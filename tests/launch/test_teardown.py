@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import ROOT, rank_streams, run_job
-from tests.support.torch_workers import free_port
 
 FAULTS = ROOT / "tests" / "support" / "faults"
 
@@ -71,8 +70,9 @@ def launch(launcher: str, script: str, *args: str, guard: float) -> tuple[int, d
         res = run_job([sys.executable, path, *args], n=2, timeout=guard)
         return res.returncode, rank_streams(res.stdout), time.monotonic() - start
     if launcher == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), path, *args]
+        # --standalone: torchrun binds its own store on a free port and hands it to the ranks, so jobs
+        # started together cannot race for a port picked beforehand
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", path, *args]
     else:
         argv = [sys.executable, "-m", "distopt.launch", "-n", "2", path, *args]
     code, out, seconds = guarded(argv, 2, guard)

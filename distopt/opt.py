@@ -324,7 +324,8 @@ class DistOpt(SingaMethods, CollectiveMethods):
         does nothing); every later collective raises :class:`~distopt.errors.CommunicatorClosedError` on every
         rank. The hooks on the model's tensors and the optimizer are removed.
 
-        Releases only what this DistOpt owns: a communicator it built, or one given as ``comm=``. The
+        Releases only what this DistOpt owns: a communicator it built (one given as ``comm=`` stays open
+        for its owner to close). The
         world of :func:`distopt.init` (or ``world=``) that other DistOpts, SyncBatchNorm layers and groups
         share stays open while the script holds it (until ``world.close()``) or another DistOpt uses it; the
         last of them to let go closes it. A group's communicator (``group=``) stays open. On MPI a close is bounded: see

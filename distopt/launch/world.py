@@ -313,11 +313,13 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
     :func:`~distopt.comm.hierarchy.hierarchical_for` (``hierarchical``; a
     group's communicator stays flat unless it is True).
 
-    Ownership, what the returned release closes: a communicator built here,
-    and an explicit ``comm`` (handed over), are closed by it. A group's
-    communicator and a world's are shared: the DistOpt gets a
-    :func:`shared_view` (its calls raise once it is released), the group's
-    communicator stays open, and the world counts one user more
+    Ownership, what the returned release closes: only a communicator built
+    here. An explicit ``comm`` stays the caller's (as a process group given to
+    DDP): the DistOpt gets a :func:`shared_view` (its calls raise once it is
+    released) and ``comm`` stays open until its owner closes it (or the
+    interpreter exits). A group's communicator and a world's are shared the
+    same way: the group's communicator stays open, and the world counts one
+    user more
     (:meth:`World.acquire`): it closes when neither the script (the holder
     of :func:`init`'s world, until ``world.close()``) nor any DistOpt uses it.
 
@@ -336,7 +338,7 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
         made = hierarchical_for(shared_view(sub), bool(hierarchical))
         return made, local[0], local[1], made.close
     if comm is not None:
-        made = hierarchical_for(comm, hierarchical)
+        made = hierarchical_for(shared_view(comm), hierarchical)
         return (made, comm.rank if gpu_num is None else gpu_num, comm.size if gpu_per_node is None else gpu_per_node,
                 made.close)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)

@@ -1,6 +1,6 @@
 """DistOpt.close() releases only what the DistOpt owns (issue 30, item 7): the shared world of
 distopt.init() stays open for its other users until the last one closes, a group's communicator
-stays open, a communicator the DistOpt built (or was handed as comm=) is closed."""
+stays open, a communicator the DistOpt built is closed, one handed as comm= stays its owner's."""
 from __future__ import annotations
 
 import numpy as np
@@ -79,13 +79,22 @@ def test_a_group_communicator_outlives_the_distopt_on_it():
 
 
 @pytest.mark.unit
-def test_communicators_the_distopt_built_or_was_handed_are_closed(monkeypatch):
+def test_a_built_communicator_is_closed_and_a_handed_one_stays_its_owners(monkeypatch):
     monkeypatch.setattr(world_mod, "_current", None)
     built = DistOpt(SGD(lr=1.0), backend="single")
     built.close()
     assert built.comm.closed
     handed = create("single")
-    DistOpt(SGD(lr=1.0), comm=handed).close()
+    opt = DistOpt(SGD(lr=1.0), comm=handed)
+    _step(opt)
+    opt.close()
+    assert not handed.closed  # as DDP leaves the process group it was given
+    with pytest.raises(CommunicatorClosedError):
+        _step(opt)
+    second = DistOpt(SGD(lr=1.0), comm=handed)  # the owner's communicator serves a later DistOpt
+    _step(second)
+    second.close()
+    handed.close()
     assert handed.closed
 
 

@@ -212,12 +212,15 @@ def init_gloo(mpi_comm: Any, timeout_s: float = 120.0) -> Any:
     """``torch.distributed`` with gloo over 127.0.0.1, ranks from ``mpi_comm``.
 
     Rank 0 picks a free port and broadcasts it (lowercase ``bcast``: setup,
-    not the data path). Returns the ``torch.distributed`` module.
+    not the data path); a default group that exists (made by distopt's MPI
+    world) is kept. Returns the ``torch.distributed`` module.
     """
     import datetime as _dt
 
     import torch.distributed as dist
 
+    if dist.is_initialized():  # distopt's MPI world made the default group already
+        return dist
     port = mpi_comm.bcast(free_port() if mpi_comm.rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=mpi_comm.rank,
                             world_size=mpi_comm.size, timeout=_dt.timedelta(seconds=timeout_s))

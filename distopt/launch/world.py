@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import comm as _comm
-from . import ranks
+from . import ranks, torch_group
 from .info import JOB_ID_ENV, Launch
 from ..comm.base import Communicator
+from ..comm.wait import resolve_timeout
 from ..errors import CommunicatorClosedError
 from ..comm.groups import Group, split
 from ..comm.hierarchy import hierarchical_for
@@ -152,6 +153,8 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
     comm, info = _comm.from_launch(chosen, launch)
     if info.global_rank == 0:
         log.info("backend %s, world size %d (%s)", comm.name, info.world_size, info.source)
+    if chosen == "mpi":
+        torch_group.init_default_group(comm, resolve_timeout(timeout))
     return comm, info
 
 

@@ -65,3 +65,22 @@ def test_torch_unused_parameter_on_some_ranks(world):
     np.testing.assert_allclose(b.detach().numpy(), -2.0 * (W - odd) / W)
     np.testing.assert_allclose(c.detach().numpy(), -(3 * (W - odd) + 7 * odd) / W)
     opt.close()
+
+
+def test_ddp_habits_find_torch_default_group_over_the_mpi_world(world):
+    """A ported DDP script's other torch.distributed calls work under mpiexec: distopt's MPI world made torch's
+    default (gloo) process group, with MPI's ranks and world size."""
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    opt = DistOpt(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert (dist.get_rank(), dist.get_world_size()) == (world.rank, world.size)
+    total = torch.tensor([float(world.rank + 1)])
+    dist.all_reduce(total)  # metric code
+    assert total.item() == world.size * (world.size + 1) / 2
+    sampler = DistributedSampler(list(range(10 * world.size)), shuffle=False)
+    assert list(sampler) == list(range(world.rank, 10 * world.size, world.size))
+    dist.barrier()
+    opt.close()
+    assert dist.is_initialized()  # the script's to destroy, as under torchrun

@@ -36,6 +36,7 @@ from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..torch.adapter import TorchOptimizer, as_array, as_tensor
 from ..torch.sink import GradientSink
+from .clip import ShardedClip
 from .gather import ParamGather
 from .plan import ShardPlan
 from .sync import PieceUpdate, ShardedStep
@@ -144,6 +145,7 @@ class ShardedTorchStep(GradientSink):
         self._gather: ParamGather | None = None
         self.restore: Any = None  # called once the first plan is bound (a checkpoint loaded before it)
         self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
+        self._clip = ShardedClip(comm)
 
     # ------------------------------------------------------- shard tensors
     def _bind(self, plan: ShardPlan, tensors: Sequence[Any]) -> None:
@@ -279,31 +281,17 @@ class ShardedTorchStep(GradientSink):
 
     # ---------------------------------------------------------- clipping
     def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip by the global ``norm_type`` norm; returns it (a 0-dim float32 tensor).
+        """Clip by the global ``norm_type`` norm; returns it (a 0-dim tensor of the gradients' dtype).
 
         Stage 1 (``.grad`` holds the whole average), and any stage outside a
         reduced step (a skipped one's NaN ``.grad``): ``torch.nn.utils.clip_grad_norm_``
-        over ``params``, bitwise ``zero=0``'s. Stage 2: the shard gradients
-        are scaled by the norm over every rank's shard (collective: one
-        all-reduce of the shards' norms; torch's formula, the squares summed
-        in another order).
+        over ``params``. Stage 2: the shard gradients, by torch's formula over
+        every rank's pieces (collective, :class:`~distopt.sharding.clip.ShardedClip`).
+        Both equal ``zero=0``'s ``clip_grad_norm_`` over ``params`` bitwise on CPU.
         """
-        import torch
-
-        if self.stage == 1 or not self.swapped:
+        if self.stage == 1 or not self.swapped or self.plan is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
-        grads = [s.grad for s in self.shards if s.grad is not None]
-        p = float(norm_type)
-        inf = p == float("inf")
-        local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0) if inf else \
-            sum(float(torch.linalg.vector_norm(g, p, dtype=torch.float64)) ** p for g in grads)
-        total = np.array([local], dtype=np.float64)
-        self.comm.all_reduce(total, op="max" if inf else "sum")
-        norm = float(total[0]) if inf else float(total[0]) ** (1.0 / p)
-        coef = min(float(max_norm) / (norm + 1e-6), 1.0)
-        if coef < 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
-        return torch.tensor(norm, dtype=torch.float32)
+        return self._clip(self.plan, self.tensors, [s.grad for s in self.shards], params, max_norm, norm_type)
 
     # ---------------------------------------------------------- checkpoints
     def pieces(self) -> list[tuple[int, int, int, Any]]:

@@ -92,8 +92,9 @@ class TorchSurface:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
         """Clip the averaged gradients by their global norm, after backward: ``torch.nn.utils.clip_grad_norm_``
-        over the parameters, or with ``zero=1|2`` over every rank's shard (collective: one small all-reduce;
-        agrees with the unsharded norm to float rounding). Returns the norm (a 0-dim tensor)."""
+        over the inner optimizer's parameters; with ``zero=2`` the same formula over every rank's pieces
+        (collective, :class:`~distopt.sharding.clip.ShardedClip`; bitwise the unsharded result on CPU).
+        Returns the norm (a 0-dim tensor of the gradients' dtype)."""
         return self.follower.sink.clip_grad_norm_(self.local.params(), max_norm, norm_type)
 
     def __repr__(self) -> str:

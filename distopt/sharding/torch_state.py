@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..comm.consensus import agree, gather_objects
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
 from .torch_step import ShardedTorchStep, check_elementwise, consolidate
@@ -94,6 +94,8 @@ class ShardedState:
         Raises:
             CollectiveTimeoutError: the other ranks did not call it within the
                 communicator's timeout; the message names the fix.
+            CollectiveMismatchError: the other ranks reached another collective
+                (e.g. the next step's) instead; the message names the fix.
         """
         if not sharded and self._held is not None and self._held[0] == self.steps():
             return self._held[1]
@@ -101,8 +103,8 @@ class ShardedState:
         with self.shards.unswapped():
             try:
                 return self._state_dict(sharded)
-            except CollectiveTimeoutError as exc:
-                raise CollectiveTimeoutError(
+            except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
+                raise type(exc)(
                     f"{exc}; with zero=1|2, state_dict() consolidates every rank's shard: call it on every rank, "
                     "or call opt.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 "
                     "alone (a rank-0-only checkpoint writer)") from exc

@@ -142,4 +142,15 @@ def test_rank0_only_state_dict_after_consolidate_state_dict_equals_zero0(zero):
 @pytest.mark.unit
 def test_rank0_only_state_dict_without_consolidate_fails_naming_the_fix():
     got = run_case("sim", 2, cases.case_rank0_writer, 1, False)[0]
+    assert got["type"] == "CollectiveTimeoutError", got  # the other rank never calls a collective again
     assert "consolidate_state_dict(to=0)" in got["error"] and "state_dict()" in got["error"], got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank0_only_state_dict_while_the_others_step_fails_at_once_on_every_rank(backend):
+    """The others' next step meets rank 0's consolidation: a mismatch on both ranks at once (not the
+    timeout), rank 0's naming the fix."""
+    got = run_case(backend, 2, cases.case_rank0_writer, 1, False, True)
+    for r in range(2):
+        assert got[r].get("type") == "CollectiveMismatchError", (r, got[r])
+    assert "consolidate_state_dict(to=0)" in got[0]["error"] and "state_dict()" in got[0]["error"], got[0]

@@ -171,10 +171,12 @@ def case_overlapping(rank: int, comm: Any, first: int, second: int) -> str:
     return "built"
 
 
-def case_rank0_writer(rank: int, comm: Any, zero: int, consolidate: bool) -> dict[str, Any]:
+def case_rank0_writer(rank: int, comm: Any, zero: int, consolidate: bool, then_step: bool = False
+                      ) -> dict[str, Any]:
     """A rank-0-only checkpoint writer (timm's saver): 2 steps, then ``consolidate_state_dict(to=0)`` on every
-    rank (if ``consolidate``), then ``state_dict()`` on rank 0 alone. Returns rank 0's state (its Adam
-    moments), or the error raised; every rank then checks its replicas with one collective."""
+    rank (if ``consolidate``), then ``state_dict()`` on rank 0 alone, while the other ranks wait (or, with
+    ``then_step``, go on to the next step, as a script's next epoch). Returns rank 0's state (its Adam
+    moments), or each rank's error (its type and message)."""
     import torch
 
     torch.set_num_threads(1)
@@ -188,10 +190,14 @@ def case_rank0_writer(rank: int, comm: Any, zero: int, consolidate: bool) -> dic
     out: dict[str, Any] = {}
     if consolidate:
         opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        try:
+    try:
+        if rank == 0:
             state = opt.state_dict()
             out["state"] = {n: {k: np.asarray(v) for k, v in e.items()} for n, e in state["state"].items()}
-        except distopt.CollectiveTimeoutError as exc:
-            out["error"] = str(exc)
+        if then_step:
+            opt.zero_grad()
+            model(_data(rank, 2, 4, 6)).pow(2).mean().backward()
+            opt.step()
+    except (distopt.CollectiveTimeoutError, distopt.CollectiveMismatchError) as exc:
+        out["error"], out["type"] = str(exc), type(exc).__name__
     return out

@@ -2,10 +2,10 @@
 
 Run::
 
-    torchrun --nproc-per-node 2 benchmarks/torch_step.py                    # both workloads, full
+    torchrun --nproc-per-node 2 benchmarks/torch_step.py                    # every workload, full
     torchrun --nproc-per-node 2 benchmarks/torch_step.py --workload gpt --quick
 
-Workloads (``--workload step``, ``gpt`` or ``both``):
+Workloads (``--workload step``, ``cnn``, ``gpt`` or ``all``):
 
 * ``step``: a module whose parameters have ResNet-50's 161 shapes
   (:func:`step.resnet50_shapes`, 25,557,032 float32 elements) and whose loss
@@ -18,6 +18,15 @@ Workloads (``--workload step``, ``gpt`` or ``both``):
   ``ddp_view`` and ``distopt_view`` (both with ``gradient_as_bucket_view=True``)
   and ``gloo`` (:func:`step.ddp_bucketed`: DDP's reducer without autograd,
   communication only, a reference).
+* ``cnn``: a small ResNet of timm's ``test_resnet`` size (:func:`make_cnn`:
+  a 3x3 stem and four basic residual blocks of 32, 64, 64 and 128 channels,
+  BatchNorm after every convolution, 382,634 parameters) trained with
+  ``torch.optim.SGD`` (lr 0.1, momentum 0.9, weight decay 1e-4) on random
+  3x32x32 images and 10 classes, batch 16 per rank (a seed per rank). One
+  iteration is forward, cross-entropy, ``zero_grad``, ``loss.backward()``,
+  ``SGD.step()``; the BatchNorm buffers are broadcast from rank 0 before each
+  forward in both variants (DDP's ``broadcast_buffers``). Variants: ``ddp``
+  and ``distopt``.
 * ``gpt``: a GPT-style decoder (token and position embeddings, pre-LN blocks
   of causal self-attention and a 4x GELU MLP, a bias-free head) trained with
   ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) on random tokens (a
@@ -51,12 +60,13 @@ import numpy as np
 from netsim_worker import make_gpt
 from step import ddp_bucketed, resnet50_shapes
 
-WORKLOADS = {"step": ("ddp", "distopt", "ddp_view", "distopt_view", "gloo"), "gpt": ("ddp", "distopt")}
+WORKLOADS = {"step": ("ddp", "distopt", "ddp_view", "distopt_view", "gloo"), "cnn": ("ddp", "distopt"),
+             "gpt": ("ddp", "distopt")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=("step", "gpt", "both"), default="both")
+    p.add_argument("--workload", choices=("step", "cnn", "gpt", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="3 rounds of 3 iterations (default 12 rounds)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 12; 3 quick)")
     p.add_argument("--iters", type=int, default=None, help="iterations per variant per round (default 5; 3 quick)")
@@ -158,6 +168,55 @@ def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str
     return out, count
 
 
+def make_cnn(torch: Any) -> Any:
+    """timm ``test_resnet``-sized: stem conv 3->32, basic blocks 32->32, 32->64 (stride 2), 64->64,
+    64->128 (stride 2), global average pool, linear 128->10; BatchNorm after every convolution."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+            self.c2, self.b2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+            self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                          if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x: Any) -> Any:
+            y = torch.relu(self.b1(self.c1(x)))
+            return torch.relu(self.b2(self.c2(y)) + self.short(x))
+
+    return nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                         Block(32, 32, 1), Block(32, 64, 2), Block(64, 64, 1), Block(64, 128, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+
+def cnn_variants(torch: Any, distopt: Any, keys: list[str], rank: int) -> tuple[list[Variant], int]:
+    """The ``cnn`` workload's variants and the model's parameter count."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(2000 + rank)
+    x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    out, count = [], 0
+    for key in keys:
+        torch.manual_seed(0)
+        model = make_cnn(torch)
+        count = sum(p.numel() for p in model.parameters())
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        if key == "ddp":
+            net, opt, dopt = DDP(model), sgd, None
+        else:
+            net, dopt = model, distopt.DistOpt(sgd, backend="torch", model=model)
+            opt = dopt
+
+        def iteration(net: Any = net, opt: Any = opt) -> None:
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out.append(Variant(key, iteration, dopt, dopt.close if dopt is not None else (lambda: None)))
+    return out, count
+
+
 def measure(torch: Any, dist: Any, variants: list[Variant], args: argparse.Namespace) -> dict[str, Any]:
     """Warm up, run the interleaved rounds, and summarise (every rank; the times are max over ranks)."""
     def timed() -> float:
@@ -206,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     env = _common.env_info(mpi=False) if rank == 0 else {}
-    workloads = ["step", "gpt"] if args.workload == "both" else [args.workload]
+    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     data: dict[str, Any] = {"benchmark": "torch_step", "world_size": size, "torch_threads": torch.get_num_threads(),
                             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                             "workloads": {}}
@@ -219,13 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         keys = [k for k in WORKLOADS[w] if wanted is None or k in wanted]
         if w == "step":
             variants, params = step_variants(torch, dist, distopt, keys, rank, size, args.width_div), None
+        elif w == "cnn":
+            variants, params = cnn_variants(torch, distopt, keys, rank)
         else:
             variants, params = gpt_variants(torch, distopt, keys, rank, args.gpt)
         results = measure(torch, dist, variants, args)
         data["workloads"][w] = {"params": params, "results": results}
         if rank == 0:
-            what = ("ResNet-50's gradient shapes, SGD" if w == "step" else
-                    f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {params:,} parameters, AdamW")
+            what = {"step": "ResNet-50's gradient shapes, SGD",
+                    "cnn": f"small ResNet with BatchNorm, {params:,} parameters, SGD, batch 16 of 3x32x32",
+                    "gpt": f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {params:,} parameters, AdamW"
+                    }[w]
             title = (f"{w}: {what}; {size} processes, {_common.cpus()} CPUs, {torch.get_num_threads()} torch "
                      f"thread(s); {args.rounds} rounds x {args.iters} iterations, interleaved")
             rows = [[k, f"{r['ms']:.2f}", f"{r['min_ms']:.2f}", f"{r['x_ddp']:.3f}" if "x_ddp" in r else None,

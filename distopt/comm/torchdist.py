@@ -22,7 +22,9 @@ in that same block: one collective per call, reduced locally in rank order
 (16-bit floats in float32, rounded once). A wait on CPU work blocks in
 ``Work.wait(timeout)`` (gloo's threads move the data; nothing polls). A
 missed deadline, or a peer that exited, is a
-:class:`~distopt.errors.CollectiveTimeoutError`; the communicator is unusable after it. CUDA work is ordered on torch's streams (``Work.wait()``, no host
+:class:`~distopt.errors.CollectiveTimeoutError` naming the ranks that did not
+arrive (found in the process group's c10d store, :mod:`~distopt.comm.torch_where`);
+the communicator is unusable after it. CUDA work is ordered on torch's streams (``Work.wait()``, no host
 wait), bounded by the process group's own timeout (NCCL watchdog).
 
 Reductions: gloo reduces float16, bfloat16, float32, float64, int8, uint8,
@@ -57,6 +59,7 @@ from .rank_order import reduce_in_rank_order
 from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movable, torch_op
 from .torch_join import join
 from .torch_shards import TorchShards
+from .torch_where import StoreWhere, post_after
 from .wait import resolve_timeout
 
 if TYPE_CHECKING:
@@ -140,6 +143,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         block, table = control.new_buffers(self.size)
         self._block, self._table = torch.from_numpy(block), torch.from_numpy(table)  # shared with the numpy views
         self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
+        self._where, self._waits = StoreWhere(group, self.rank, self.size), 0
         close_at_exit(self)
 
     @classmethod
@@ -154,30 +158,47 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     # ------------------------------------------------------------------ helpers
     def _complete(self, work: Any, t: FlatTensor, what: str) -> None:
         """Wait for ``work``: stream-ordered on CUDA; on CPU blocked in ``Work.wait(timeout)`` (the GIL
-        released, no polling) until the deadline.
+        released, no polling) until the deadline, recording itself in the store once it has waited
+        :func:`~distopt.comm.torch_where.post_after` seconds (:mod:`~distopt.comm.torch_where`).
 
         Raises:
             CollectiveTimeoutError: the deadline passed (ours, or gloo's own, which is as long), or a
-                peer exited; the communicator is unusable then.
+                peer exited; the communicator is unusable then. On CPU the message names the ranks
+                that did not arrive.
         """
-        start = time.monotonic()
+        self._waits += 1
+        number, start = self._waits, time.monotonic()
         try:
             if t.flat.is_cuda:
                 work.wait()  # orders the current stream after the work; no host wait
             else:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+                self._wait_cpu(work, number, what)
         except RuntimeError as exc:  # ours: "Operation timed out!"; gloo's: a closed connection, its timeout
             self._ctl.broken = what
             place = where("torch", what, self.rank)
             late = not work.is_completed() or time.monotonic() - start >= _LATE * self.timeout
-            other = 1 - self.rank if self.size == 2 else None  # of two ranks, the one missing is the other
-            if late and not t.flat.is_cuda:
-                who = None if other is None else f"rank {other} did not arrive"
+            if t.flat.is_cuda:
+                raise CollectiveTimeoutError(failure_message(place, str(exc).splitlines()[0], UNUSABLE)) from exc
+            self._where.post(number, what, "failed")
+            who = self._where.missing(number)
+            if late:
                 raise CollectiveTimeoutError(timeout_message(place, self.timeout, f"{STALLED}; {UNUSABLE}",
                                                              who)) from exc
-            peer = "a peer" if other is None else f"the peer, rank {other},"
             raise CollectiveTimeoutError(failure_message(
-                place, f"{str(exc).splitlines()[0]} ({peer} exited or timed out)", UNUSABLE)) from exc
+                place, f"{str(exc).splitlines()[0]} (a peer exited or timed out; {who})", UNUSABLE)) from exc
+
+    def _wait_cpu(self, work: Any, number: int, what: str) -> None:
+        """``work.wait`` for at most the timeout; past :func:`~distopt.comm.torch_where.post_after` seconds,
+        record this rank's wait ``number`` (the call ``what``) in the store first."""
+        brief = post_after(self.timeout)
+        try:
+            work.wait(datetime.timedelta(seconds=brief))
+            return
+        except RuntimeError:
+            if work.is_completed():  # it failed (a peer closed its connection), not merely slow
+                raise
+        self._where.post(number, what)
+        work.wait(datetime.timedelta(seconds=self.timeout - brief))
 
     def _exchange(self, what: str) -> None:
         """The control block's exchange: one gloo all-gather of every rank's block."""

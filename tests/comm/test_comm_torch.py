@@ -1,6 +1,8 @@
 """The torch.distributed backend: conformance at 1, 2 and 4 processes (the torch pools), timeouts, close."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,40 @@ def stalled_reduce_scatter_case(rank, comm):
 def test_async_shard_handle_times_out():
     seconds, _ = run_case("torch", 2, stalled_reduce_scatter_case, timeout=50)
     assert seconds < 10
+
+
+def skipped_barrier_case(rank, comm, skipping):
+    """The ranks in ``skipping`` sleep past the deadline (1 s) instead of calling barrier #2; every
+    other rank's CollectiveTimeoutError is returned, as text, with the seconds its barrier took."""
+    import time
+
+    from distopt.errors import CollectiveTimeoutError
+
+    comm.timeout = 1.0
+    comm.barrier()
+    if rank in skipping:
+        time.sleep(3.0)
+        return None
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        comm.barrier()
+    return str(info.value), time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nprocs, skipping", [(3, (1,)), (4, (1, 3))], ids=["W3-rank1", "W4-ranks1and3"])
+@pytest.mark.world
+def test_timeout_names_the_ranks_that_did_not_arrive(nprocs, skipping):
+    """Beyond two ranks the timeout names exactly the ranks that never called the collective (read
+    from the process group's store), on every rank that waited."""
+    results = run_case("torch", nprocs, skipped_barrier_case, skipping, timeout=60)
+    for rank, got in enumerate(results):
+        if rank in skipping:
+            assert got is None
+            continue
+        message, seconds = got
+        assert message.startswith(f"torch barrier #2 on rank {rank} did not complete within 1 s"), message
+        # a rank whose barrier #1 was slow (past a tenth of the deadline) is also told where it was last seen
+        named = ", ".join(rf"{r}( \(last seen waiting in barrier #1\))?" for r in skipping)
+        assert re.search(rf"timed out after 1 s; ranks that did not arrive: {named}$", message), message
+        assert seconds < 5, (rank, seconds)

@@ -9,7 +9,7 @@
 * :func:`close_at_exit` closes, at interpreter exit, the communicators that
   were never closed (in reverse order of creation, the same on every rank),
   before MPI is finalized; then the functions given to :func:`last_at_exit`
-  run (the MPI backend frees there what a failed close vote left).
+  run (the MPI backend frees there what no close round freed).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from .base import REDUCE_OPS, check_reduce_args
 from .control import dtype_code as _dtype_code
 from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, timeout_message, where
-from .mpi_close import free_at_exit, next_serial, vote
+from .mpi_close import channel_for, next_serial
 from .mpi_half import HalfQueue, HalfSum
 from .mpi_shards import MpiShards
 from .mpi_types import mpi_buffer, reduce_op
@@ -135,7 +135,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
     def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
         self.timeout = resolve_timeout(timeout)
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self._control = self._comm.Dup()  # only for close's vote: never matched with a collective in flight
+        self._closing, self._close_id = channel_for(self._comm)  # close's rounds: never matched with a collective
         self._halves = HalfQueue(self._comm.Dup())  # the all-gathers of 16-bit sums, in start order
         self.rank: int = self._comm.Get_rank()
         self.size: int = self._comm.Get_size()
@@ -330,34 +330,36 @@ class MPICommunicator(MpiShards, CommunicatorState):
             sub.Free()
 
     def close(self) -> None:
-        """Free the side-channel window and the duplicated communicators; idempotent, bounded.
+        """Free the side-channel window and the duplicated communicators; idempotent, bounded, raises nothing.
 
         Freeing a window (``MPI_Win_free``) is collective: a rank that enters it alone waits forever.
-        So the ranks first vote twice (:func:`~distopt.comm.mpi_close.vote`, each round waited for at
-        most ``timeout`` seconds): round one says that every rank's collectives succeeded, round two
-        that every rank saw round one complete in time. A rank frees only after round two; one whose
-        wait expired (a peer arrived more than ``timeout`` later, is gone, or closes communicators in
-        the opposite order) frees nothing and takes part in no later round, so no rank frees alone,
-        and nothing is freed after a failed collective. A window left so is freed at interpreter
-        exit, after every communicator's close, right before MPI_Finalize (which waits for every rank
-        anyway). A close therefore returns within ``2 * timeout`` seconds (one ``timeout`` when a
-        peer never comes) and raises nothing. A communicator never closed is closed this way at
-        exit, before MPI is finalized (no ``UCX WARN ... mpool`` lines). Every later call raises
+        So a close runs one round on the close channel its group's communicators share
+        (:class:`~distopt.comm.mpi_close.CloseChannel`): every rank offers the communicators it has
+        closed and not yet freed, and when every rank saw every offer in time, each frees the ones
+        every rank offered, in creation order. Closes are matched by which communicator they close,
+        not by their order: two communicators closed in opposite orders on two ranks are both freed
+        by the second close on each, without waiting. A communicator whose collectives failed on
+        this rank is never offered (nothing is freed after a failed collective). Each wait of a
+        round takes at most ``timeout`` seconds, so a close returns within ``2 * timeout`` seconds
+        (one ``timeout`` when a peer never comes). What no round freed is freed at interpreter exit,
+        after every communicator's close, right before MPI_Finalize (which waits for every rank
+        anyway). A communicator never closed is closed this way at exit, before MPI is finalized
+        (no ``UCX WARN ... mpool`` lines). Every later call raises
         :class:`~distopt.errors.CommunicatorClosedError`.
         """
         if self.closed:
             return
         self.closed = True
         forget_at_exit(self)
-        if not vote(self._control, 0 if self._ctl.broken else 1, self.timeout) or not vote(self._control, 1,
-                                                                                           self.timeout):
-            free_at_exit(self._serial, self._where)
-            return
+        self._closing.close(self._close_id, self._serial, self._where,
+                            None if self._ctl.broken else self._release, self.timeout)
+
+    def _release(self) -> None:
+        """Free what this communicator holds (collective: a close round decided it on every rank)."""
         if self._persistent is not None:
             self._persistent.Free()
         self._where.free()
         self._comm.Free()
-        self._control.Free()
         self._halves.gather_comm.Free()
 
     def __repr__(self) -> str:

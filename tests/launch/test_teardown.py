@@ -131,12 +131,17 @@ def test_h84_async_handle_faults(launcher, launches):
     assert "ValueError: boom" in outs[1], outs[1][-3000:]
 
 
+#: The timeout of the DistOpts h85_teardown.py closes, in seconds.
+H85_TIMEOUT = 5.0
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launcher", H85_LAUNCHERS)
 @pytest.mark.job
 def test_h85_teardown_with_ranks_arriving_apart(launcher, launches):
     """slowclose, asyncclose, order and slowexit in one job: exit 0, every close returns well within the
-    60 s guard of a variant (MPI: at most two timeouts per communicator), no leak warning at exit."""
+    60 s guard of a variant (MPI: at most two timeouts per communicator), no leak warning at exit; the
+    opposite-order closes take well under one timeout (MPI matches closes by communicator, not by order)."""
     if launcher == "torchrun":
         pytest.importorskip("torch")
     code, outs, _ = launches[("h85", launcher)].result()
@@ -145,4 +150,20 @@ def test_h85_teardown_with_ranks_arriving_apart(launcher, launches):
         got = _lines("H85", outs[r], r)
         assert sorted(got) == ["asyncclose", "order", "slowclose", "slowexit"], f"rank {r}: {got}\n{outs[r][-3000:]}"
         assert all(float(s) < 30 for s in got.values()), f"rank {r}: {got}"
+        assert float(got["order"]) < 0.2 * H85_TIMEOUT, f"rank {r}: {got}"
         assert "UCX" not in outs[r] and "Traceback" not in outs[r], outs[r][-3000:]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.job
+def test_close_orders_differing_on_three_ranks_are_prompt():
+    """mpiexec, 3 ranks, three DistOpts (timeout 5 s) closed A B C, C B A, C A B: exit 0, and on every rank
+    the three closes together take well under one timeout."""
+    timeout = 5.0
+    res = run_job([sys.executable, str(FAULTS / "close_orders.py"), "--timeout", str(timeout)], n=3, timeout=60)
+    outs = rank_streams(res.stdout)
+    assert res.returncode == 0, res.stdout[-3000:]
+    for r in range(3):
+        seconds = _lines("ORDERS", outs.get(r, ""), r).get("closed")
+        assert seconds is not None, res.stdout[-3000:]
+        assert float(seconds) < 0.2 * timeout, f"rank {r}: the closes took {seconds} s (timeout {timeout:g} s)"

@@ -285,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(torch, dist, variants, args)
         data["workloads"][w] = {"params": params, "results": results}
         if rank == 0:
-            what = {"step": "ResNet-50's gradient shapes, SGD",
-                    "cnn": f"small ResNet with BatchNorm, {params:,} parameters, SGD, batch 16 of 3x32x32",
-                    "gpt": f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {params:,} parameters, AdamW"
-                    }[w]
+            if w == "step":
+                what = "ResNet-50's gradient shapes, SGD"
+            elif w == "cnn":
+                what = f"small ResNet with BatchNorm, {params:,} parameters, SGD, batch 16 of 3x32x32"
+            else:
+                what = f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {params:,} parameters, AdamW"
             title = (f"{w}: {what}; {size} processes, {_common.cpus()} CPUs, {torch.get_num_threads()} torch "
                      f"thread(s); {args.rounds} rounds x {args.iters} iterations, interleaved")
             rows = [[k, f"{r['ms']:.2f}", f"{r['min_ms']:.2f}", f"{r['x_ddp']:.3f}" if "x_ddp" in r else None,

@@ -172,7 +172,7 @@ def test_wait_budget_stays_within_its_bounds():
 
 @pytest.mark.job
 def test_torch_step_benchmark_smoke(tmp_path):
-    """``benchmarks/torch_step.py`` under torchrun with its smallest settings: the JSON holds both workloads,
+    """``benchmarks/torch_step.py`` under torchrun with its smallest settings: the JSON holds every workload,
     every variant's rounds, and the distopt rows' control collectives (one per step)."""
     import json
     import subprocess
@@ -191,9 +191,11 @@ def test_torch_step_benchmark_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["benchmark"] == "torch_step" and data["world_size"] == 2
     assert {"loadavg_at_start", "loadavg_at_end"} <= set(data["env"])
-    step, gpt = data["workloads"]["step"]["results"], data["workloads"]["gpt"]["results"]
-    assert set(step) == {"ddp", "distopt", "ddp_view", "distopt_view", "gloo"} and set(gpt) == {"ddp", "distopt"}
-    for rec in [*step.values(), *gpt.values()]:
+    step, cnn, gpt = (data["workloads"][w]["results"] for w in ("step", "cnn", "gpt"))
+    assert set(step) == {"ddp", "distopt", "ddp_view", "distopt_view", "gloo"}
+    assert set(cnn) == set(gpt) == {"ddp", "distopt"}
+    assert data["workloads"]["cnn"]["params"] == 382_634
+    for rec in [*step.values(), *cnn.values(), *gpt.values()]:
         assert len(rec["round_ms"]) == 2 and rec["ms"] > 0 and rec["x_ddp"] > 0
-    for rec in (step["distopt"], step["distopt_view"], gpt["distopt"]):
+    for rec in (step["distopt"], step["distopt_view"], cnn["distopt"], gpt["distopt"]):
         assert rec["control_per_step"] == 1.0

@@ -47,7 +47,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
         buffSize: capacity of one fusion buffer in ELEMENTS (default 4194304: 16 MiB of float32).
         strategy: how :meth:`step` and :meth:`backward_and_update` average (default
             :class:`~distopt.strategies.Dense`); the same strategy and settings on every rank.
-        backend: force a backend (see :func:`distopt.launch.world.build_world`).
+        backend: force a backend (see :func:`distopt.launch.backend_rule.build_world`).
         comm: an existing communicator to use instead of building one.
         timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
         backward_passes_per_step: micro-batches accumulated locally per update (Horovod's name). Array models:

@@ -2,7 +2,7 @@
 
 Each copy gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
 and ``DISTOPT_JOB_ID``, so ``DistOpt(opt)``
-(:func:`distopt.launch.world.build_world`) joins the job over shared memory
+(:func:`distopt.launch.backend_rule.build_world`) joins the job over shared memory
 and any distopt script runs unchanged. The first copy that fails ends the
 job (the others get SIGTERM, then SIGKILL after ``--grace`` seconds) and its
 exit code becomes the launcher's. The children get SIGTERM from the kernel

@@ -324,11 +324,12 @@ class DistOpt(SingaMethods, CollectiveMethods):
         does nothing); every later collective raises :class:`~distopt.errors.CommunicatorClosedError` on every
         rank. The hooks on the model's tensors and the optimizer are removed.
 
-        Releases only what this DistOpt owns: a communicator it built (one given as ``comm=`` stays open
-        for its owner to close). The
-        world of :func:`distopt.init` (or ``world=``) that other DistOpts, SyncBatchNorm layers and groups
-        share stays open while the script holds it (until ``world.close()``) or another DistOpt uses it; the
-        last of them to let go closes it. A group's communicator (``group=``) stays open. On MPI a close is bounded: see
+        Releases only what this DistOpt owns: a communicator it built. One given as ``comm=`` is the
+        caller's (as a process group handed to DDP): it stays open, and this DistOpt's later calls still
+        reach it, until its owner closes it. The world of :func:`distopt.init` (or ``world=``) that other
+        DistOpts, SyncBatchNorm layers and groups share stays open while the script holds it (until
+        ``world.close()``) or another DistOpt uses it; the last of them to let go closes it. A group's
+        communicator (``group=``) stays open. On MPI a close is bounded: see
         :meth:`distopt.comm.mpi.MPICommunicator.close`."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         if self.follower is not None:

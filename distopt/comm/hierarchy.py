@@ -213,6 +213,8 @@ class HierarchicalCommunicator:
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"distopt-hier{p}") for p in range(3)]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "flat":  # not set yet (an instance being copied or unpickled): no recursion
+            raise AttributeError(name)
         return getattr(self.flat, name)
 
     def counts(self, n: int) -> list[int]:
@@ -286,13 +288,17 @@ class HierarchicalCommunicator:
         scattered = self._pools[0].submit(self.intra.reduce_scatter, flat, counts, "sum")
         return _Pending(_then(_then(scattered, self._pools[1], across), self._pools[2], gather), array)
 
-    def close(self) -> None:
-        """Finish the queued calls, close the node and cross-node communicators, then the flat one
-        (idempotent)."""
+    def close_layers(self) -> None:
+        """Finish the queued calls and close the node and cross-node communicators built here; the flat
+        one stays open (idempotent)."""
         for pool in self._pools:
             pool.shutdown()
         for comm in (self.gather_comm, self.inter, self.intra):
             comm.close()
+
+    def close(self) -> None:
+        """:meth:`close_layers`, then close the flat communicator (idempotent)."""
+        self.close_layers()
         self.flat.close()
 
     def __repr__(self) -> str:

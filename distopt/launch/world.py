@@ -162,6 +162,10 @@ def shared_view(comm: Communicator) -> Communicator:
     return view
 
 
+def _noop() -> None:
+    return None
+
+
 def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
                  backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
                  world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
@@ -177,12 +181,13 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
     group's communicator stays flat unless it is True).
 
     Ownership, what the returned release closes: only a communicator built
-    here. An explicit ``comm`` stays the caller's (as a process group given to
-    DDP): the DistOpt gets a :func:`shared_view` (its calls raise once it is
-    released) and ``comm`` stays open until its owner closes it (or the
-    interpreter exits). A group's communicator and a world's are shared the
-    same way: the group's communicator stays open, and the world counts one
-    user more
+    here. An explicit ``comm`` stays the caller's, as a process group given
+    to DDP: the DistOpt uses the object itself (a subclass's own state, such
+    as call counters, stays in it) and never closes it; only a hierarchical
+    layer built over it is closed. A group's communicator and a world's are
+    shared: the DistOpt gets a :func:`shared_view` (its calls raise once it
+    is released), the group's communicator stays open, and the world counts
+    one user more
     (:meth:`World.acquire`): it closes when neither the script (the holder
     of :func:`init`'s world, until ``world.close()``) nor any DistOpt uses it.
 
@@ -200,10 +205,11 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
         local = (outer.info.local_rank, outer.info.local_size) if outer is not None else (sub.rank, sub.size)
         made = hierarchical_for(shared_view(sub), bool(hierarchical))
         return made, local[0], local[1], made.close
-    if comm is not None:
-        made = hierarchical_for(shared_view(comm), hierarchical)
+    if comm is not None:  # the caller's: used as it is, never closed here
+        made = hierarchical_for(comm, hierarchical)
+        release = _noop if made is comm else made.close_layers  # type: ignore[attr-defined]
         return (made, comm.rank if gpu_num is None else gpu_num, comm.size if gpu_per_node is None else gpu_per_node,
-                made.close)
+                release)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)
     if world is not None:
         world.acquire()  # raises on a closed world: a view of freed MPI objects must never be made

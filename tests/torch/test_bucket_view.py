@@ -55,8 +55,6 @@ class LateComm:
         self._comm = comm
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_comm":  # not set yet: an instance made by copy.copy (a DistOpt's view of it)
-            raise AttributeError(name)
         return getattr(self._comm, name)
 
     def all_reduce_async(self, array: Any, op: str = "sum") -> _Late:

@@ -193,9 +193,9 @@ def test_torch_step_benchmark_smoke(tmp_path):
     assert {"loadavg_at_start", "loadavg_at_end"} <= set(data["env"])
     step, cnn, gpt = (data["workloads"][w]["results"] for w in ("step", "cnn", "gpt"))
     assert set(step) == {"ddp", "distopt", "ddp_view", "distopt_view", "gloo"}
-    assert set(cnn) == set(gpt) == {"ddp", "distopt"}
+    assert set(cnn) == {"ddp", "distopt"} and set(gpt) == {"ddp", "distopt", "zero1", "zero2"}
     assert data["workloads"]["cnn"]["params"] == 382_634
     for rec in [*step.values(), *cnn.values(), *gpt.values()]:
         assert len(rec["round_ms"]) == 2 and rec["ms"] > 0 and rec["x_ddp"] > 0
-    for rec in (step["distopt"], step["distopt_view"], cnn["distopt"], gpt["distopt"]):
+    for rec in (step["distopt"], step["distopt_view"], cnn["distopt"], gpt["distopt"], gpt["zero1"], gpt["zero2"]):
         assert rec["control_per_step"] == 1.0

@@ -31,7 +31,9 @@ Workloads (``--workload step``, ``cnn``, ``gpt`` or ``all``):
   of causal self-attention and a 4x GELU MLP, a bias-free head) trained with
   ``torch.optim.AdamW`` (lr 1e-3, weight decay 0.01) on random tokens (a
   seed per rank). One iteration is forward, cross-entropy, ``zero_grad``,
-  ``loss.backward()``, ``AdamW.step()``. Variants: ``ddp`` and ``distopt``.
+  ``loss.backward()``, ``AdamW.step()``. Variants: ``ddp``, ``distopt``
+  (``zero=0``), ``zero1`` and ``zero2`` (``DistOpt(..., zero=1|2)``: AdamW's
+  moments sharded; at ``zero=2`` the gradients too).
 
 Every variant of a workload is built at the start from the same seed. The
 timed part is ``--rounds`` rounds; in each round every variant runs
@@ -61,7 +63,7 @@ from netsim_worker import make_gpt
 from step import ddp_bucketed, resnet50_shapes
 
 WORKLOADS = {"step": ("ddp", "distopt", "ddp_view", "distopt_view", "gloo"), "cnn": ("ddp", "distopt"),
-             "gpt": ("ddp", "distopt")}
+             "gpt": ("ddp", "distopt", "zero1", "zero2")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,7 +158,8 @@ def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str
         if key == "ddp":
             net, opt, dopt = DDP(model), adamw, None
         else:
-            net, dopt = model, distopt.DistOpt(adamw, backend="torch", model=model)
+            zero = {"zero1": 1, "zero2": 2}.get(key, 0)
+            net, dopt = model, distopt.DistOpt(adamw, backend="torch", model=model, zero=zero)
             opt = dopt
 
         def iteration(net: Any = net, opt: Any = opt) -> None:

@@ -197,5 +197,7 @@ def test_torch_step_benchmark_smoke(tmp_path):
     assert data["workloads"]["cnn"]["params"] == 382_634
     for rec in [*step.values(), *cnn.values(), *gpt.values()]:
         assert len(rec["round_ms"]) == 2 and rec["ms"] > 0 and rec["x_ddp"] > 0
-    for rec in (step["distopt"], step["distopt_view"], cnn["distopt"], gpt["distopt"], gpt["zero1"], gpt["zero2"]):
+    for rec in (step["distopt"], step["distopt_view"], cnn["distopt"], gpt["distopt"]):
         assert rec["control_per_step"] == 1.0
+    for rec in (gpt["zero1"], gpt["zero2"]):  # the header, and the sharded step's own agreements
+        assert rec["control_per_step"] >= 1.0

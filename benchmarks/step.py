@@ -55,6 +55,12 @@ DistOpt (MPI backend, default threshold and buffer size):
   kept per tensor, with momentum correction) and
   PowerSGD (``PowerSGD(matrix_rank=2)``, 1-D tensors dense).
 
+Every rank runs its BLAS (``threadpoolctl``) and torch thread pools with
+``max(1, CPUs // ranks)`` threads, its share of the machine: with
+OpenBLAS's default of one thread per CPU in every rank, two ranks on two
+CPUs oversubscribe them, and PowerSGD's matrix-vector products then cost
+several times their single-threaded CPU time in spinning worker threads.
+
 ``cpu ms`` is this process's CPU time per timed call (``time.process_time``:
 every thread of the rank, the max over ranks), and ``passes`` that over the
 ``copy`` row's: how many passes over the gradients a step costs in CPU.
@@ -85,6 +91,7 @@ from typing import Any, Callable
 import _common
 import _zero
 import numpy as np
+import threadpoolctl
 
 RESNET50_PARAMS = 25_557_032
 RESNET50_TENSORS = 161
@@ -200,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(np.prod(s)) for s in shapes]
     total = sum(sizes)
 
+    # one rank's share of the CPUs for every thread pool, as benchmarks/netsim.py gives its workers: the
+    # ranks of one machine must not oversubscribe it (OpenBLAS would start one thread per CPU in every rank)
+    threads = max(1, _common.cpus() // n)
+    threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
     torch = None
     try:
         import torch
 
-        torch.set_num_threads(max(1, _common.cpus() // n))
+        torch.set_num_threads(threads)
     except ImportError:
         pass
 

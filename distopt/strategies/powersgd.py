@@ -52,6 +52,7 @@ import numpy as np
 from ..core._array import xp_of
 from ..core.buckets import Bucket, Slot
 from .base import BucketContext, Done, GradientStrategy, Handle
+from .lowrank import Stack, orthonormalize, project
 from .memory import Residuals
 from .registry import Example, register
 
@@ -108,34 +109,6 @@ def plan_bucket(bucket: Bucket, matrix_rank: int,
     return factorizations, dense
 
 
-def orthonormalize(matrix: Any) -> Any:
-    """Make the columns of ``matrix`` orthonormal, in place, and return it.
-
-    Classical Gram-Schmidt with one re-orthogonalization per column ("twice
-    is enough", Giraud, Langou & Rozložník 2005), in float64 whatever the
-    input dtype, so the columns are orthonormal to float64 precision before
-    the cast back. A column that is 0 after the projections (a
-    rank-deficient input: a zero gradient, fewer independent directions
-    than columns) stays 0 instead of dividing by zero.
-
-    Args:
-        matrix: 2-D float array (NumPy or CuPy) of shape ``(rows, r)``.
-
-    Returns:
-        ``matrix``.
-    """
-    xp = xp_of(matrix)
-    x = matrix.astype(xp.float64)
-    for i in range(x.shape[1]):
-        col = x[:, i]
-        for _ in range(2 if i else 0):
-            col -= x[:, :i] @ (x[:, :i].T @ col)
-        norm = xp.sqrt(col @ col)
-        col /= xp.where(norm > 0, norm, 1.0)  # a zero column stays zero
-    matrix[...] = x
-    return matrix
-
-
 class PowerSGD(GradientStrategy):
     """Rank-``r`` PowerSGD with error feedback and warm-started ``Q``, as PyTorch's ``powerSGD_hook``.
 
@@ -190,7 +163,7 @@ class PowerSGD(GradientStrategy):
         self.min_compression_rate, self.warm_start, self.seed = float(min_compression_rate), bool(warm_start), int(seed)
         self.steps = 0
         self.errors, self.qs = Residuals(), Residuals()
-        self._plans: dict[tuple[int, int], tuple[list[Factorization], list[Slot]]] = {}
+        self._plans: dict[tuple[int, int], tuple[list[Factorization], list[Slot], Stack, Stack]] = {}
 
     def settings(self) -> dict[str, Any]:
         return {"matrix_rank": self.matrix_rank, "start_step": self.start_step, "min_compression_rate": self.min_compression_rate,
@@ -211,48 +184,59 @@ class PowerSGD(GradientStrategy):
 
     def _compressed(self, ctx: BucketContext, flat: Any, divisor: int) -> int:
         """Steps 1-5 of the module docs for one bucket; ``flat`` ends holding the average
-        approximation. Returns the bytes sent."""
+        approximation. Returns the bytes sent.
+
+        The error memory holds the compensated gradient ``M`` from step 1 to
+        the residual (no copy of it), every product writes into its factor
+        or into ``flat`` (no temporaries the size of a matrix), and the
+        Gram-Schmidt runs once per bucket on all its ``P`` (or ``Q``)
+        factors (:class:`~distopt.strategies.lowrank.Stack`).
+        """
         key = (ctx.key, ctx.index)
-        if key not in self._plans:
-            self._plans[key] = plan_bucket(ctx.bucket, self.matrix_rank, self.min_compression_rate)
-        factors, dense = self._plans[key]
         xp, div = xp_of(flat), flat.dtype.type(divisor)
+        factors, dense, p_stack, q_stack = self._plan(key, ctx.bucket, xp)
         error = self.errors.get(key, flat)
-        flat += error                                            # error feedback
-        error[...] = flat                                        # the compensated gradient, for the residual
+        error += flat                                            # error feedback: M = g + e, held in the memory
         n_dense = sum(s.size for s in dense)
-        first = xp.empty(n_dense + sum(f.rows * f.rank for f in factors), dtype=flat.dtype)
+        first = xp.empty(n_dense + p_stack.size, dtype=flat.dtype)
         at = 0
         for s in dense:
-            first[at:at + s.size] = flat[s.offset:s.offset + s.size]
+            first[at:at + s.size] = error[s.offset:s.offset + s.size]
             at += s.size
-        q = self._q(key, factors, flat)
-        triples, q_at = [], 0
-        for f in factors:
-            m = flat[f.offset:f.offset + f.size].reshape(f.rows, f.cols)
-            qi = orthonormalize(q[q_at:q_at + f.cols * f.rank].reshape(f.cols, f.rank))
-            pi = first[at:at + f.rows * f.rank].reshape(f.rows, f.rank)
-            pi[...] = m @ qi
-            triples.append((m, pi, qi))
-            at += f.rows * f.rank
-            q_at += f.cols * f.rank
+        q = q_stack.orthonormalize(self._q(key, factors, flat))
+        ms = [error[f.offset:f.offset + f.size].reshape(f.rows, f.cols) for f in factors]
+        ps, qs = p_stack.views(first[n_dense:]), q_stack.views(q)
+        for m, pi, qi in zip(ms, ps, qs):
+            project(m, qi, pi)                                   # P = M Q
         ctx.comm.all_reduce(first, op="sum")                     # dense tensors and every P: one collective
         sent = int(first.nbytes)
-        for m, pi, qi in triples:
-            qi[...] = m.T @ orthonormalize(pi)
+        p_stack.orthonormalize(first[n_dense:])
+        for m, pi, qi in zip(ms, ps, qs):
+            project(m.T, pi, qi)                                 # Q = M^T P
         if factors:
             ctx.comm.all_reduce(q, op="sum")                     # every Q: one collective
             sent += int(q.nbytes)
             q /= div                                             # kept averaged: next step's warm start
-        for m, pi, qi in triples:
-            m[...] = pi @ qi.T                                   # the average rank-r approximation
+        for f, pi, qi in zip(factors, ps, qs):                   # the average rank-r approximation
+            xp.matmul(pi, qi.T, out=flat[f.offset:f.offset + f.size].reshape(f.rows, f.cols))
         error -= flat                                            # compensated - average approximation
         at = 0
         for s in dense:
-            flat[s.offset:s.offset + s.size] = first[at:at + s.size] / div
+            xp.divide(first[at:at + s.size], div, out=flat[s.offset:s.offset + s.size])
             error[s.offset:s.offset + s.size] = 0                # exact: nothing held back
             at += s.size
         return sent
+
+    def _plan(self, key: tuple[int, int], bucket: Bucket, xp: Any) -> tuple[list[Factorization], list[Slot],
+                                                                             Stack, Stack]:
+        """The bucket's :func:`plan_bucket` and the :class:`Stack` of its ``P`` and of its ``Q`` factors
+        (built once per bucket and array module)."""
+        plan = self._plans.get(key)
+        if plan is None or plan[2].xp is not xp:
+            factors, dense = plan_bucket(bucket, self.matrix_rank, self.min_compression_rate)
+            plan = self._plans[key] = (factors, dense, Stack([(f.rows, f.rank) for f in factors], xp),
+                                       Stack([(f.cols, f.rank) for f in factors], xp))
+        return plan
 
     def _q(self, key: tuple[int, int], factors: list[Factorization], like: Any) -> Any:
         """The bucket's flat ``Q`` memory (``sum(cols * rank)`` elements of ``like.dtype``): the

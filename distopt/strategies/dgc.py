@@ -50,13 +50,16 @@ import numpy as np
 
 from ..core._array import xp_of
 from ..compress import densify, k_for, topk_indices
-from ..compress._xp import index_dtype
+from ..compress._xp import index_dtype, is_cupy
 from .base import BucketContext, Done, GradientStrategy, Handle, LocalInfo
 from .memory import Residuals
 from .registry import Example, register
 from .sparse import ENTRIES, FALLBACKS
 
 __all__ = ["DGC", "WARMUP_SPARSITY"]
+
+_BLOCK = 1 << 15
+"""Elements per block of the momentum correction on NumPy (128 KiB of float32: three blocks fit in L2)."""
 
 WARMUP_SPARSITY: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996)
 """The paper's warm-up stages: the density (1 - sparsity) shrinks 4x per stage, from 25 % to 0.4 %."""
@@ -155,17 +158,13 @@ class DGC(GradientStrategy):
                 flat *= flat.dtype.type(bound / norm)
         u = self.velocity.get(key, flat)
         v = self.accumulated.get(key, flat)
-        u *= u.dtype.type(self.momentum)
-        u += flat                                              # momentum correction: u = m u + g
-        v += u                                                 # v accumulates the velocity
+        _correct(u, v, flat, u.dtype.type(self.momentum))      # u = m u + g, v += u
         idx = _select(ctx, v, self.density(self.steps))
         values = v[idx]
         v[idx] = 0
         u[idx] = 0                                             # momentum factor masking
         ctx.counters.add(ENTRIES, int(idx.size))
-        sent = _exchange(ctx, flat, idx, values)
-        flat /= flat.dtype.type(divisor)
-        return Done(sent)
+        return Done(_exchange(ctx, flat, idx, values, flat.dtype.type(divisor)))
 
     def end_of_step(self) -> None:
         """Count the step: the next one reads its density from the warm-up schedule at ``steps + 1``."""
@@ -196,12 +195,31 @@ def _select(ctx: BucketContext, v: Any, density: float) -> Any:
     return parts[0] if len(parts) == 1 else xp_of(v).concatenate(parts)
 
 
-def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:
-    """Write into ``flat`` the SUM over ranks of every rank's ``values`` at its ``idx``; returns bytes sent.
+def _correct(u: Any, v: Any, g: Any, momentum: Any) -> None:
+    """Momentum correction in place: ``u = momentum * u + g``, then ``v += u`` (1-D arrays of one length).
 
-    Sparse: all-gather the pairs, scatter-add them in rank order. When the
-    pairs of all ranks would take at least the dense bucket's bytes, the
-    pairs travel as one dense all-reduce (zeros elsewhere) instead.
+    NumPy: in blocks of ``_BLOCK`` elements, so that each block of ``u`` is
+    still in cache for the second and third operation: one read of ``u``,
+    ``g`` and ``v`` and one write of ``u`` and ``v`` from memory instead of
+    three passes; the same operations in the same order per element, so
+    bitwise the same result. CuPy: the three operations on whole arrays.
+    """
+    block = u.size if is_cupy(u) else _BLOCK
+    for lo in range(0, u.size, block):
+        ub = u[lo:lo + block]
+        ub *= momentum
+        ub += g[lo:lo + block]
+        v[lo:lo + block] += ub
+
+
+def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any, divisor: Any) -> int:
+    """Write into ``flat`` the SUM over ranks of every rank's ``values`` at its ``idx``, divided by
+    ``divisor`` (a scalar of ``flat.dtype``); returns bytes sent.
+
+    Sparse: all-gather the pairs, scatter-add them in rank order into
+    ``flat`` and divide the gathered positions only (every other entry is
+    0). When the pairs of all ranks would take at least the dense bucket's
+    bytes, the pairs travel as one dense all-reduce (zeros elsewhere) instead.
     """
     n, comm = flat.size, ctx.comm
     pair_bytes = index_dtype(n).itemsize + flat.dtype.itemsize
@@ -211,10 +229,12 @@ def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any) -> int:
         flat[...] = 0
         flat[idx] = values
         comm.all_reduce(flat, op="sum")
+        flat /= divisor
         return int(flat.nbytes)
     all_idx = comm.all_gather(idx).reshape(-1)
     all_val = comm.all_gather(values).reshape(-1)
-    flat[...] = densify(all_idx, all_val, n, flat.dtype)
+    densify(all_idx, all_val, n, flat.dtype, out=flat)
+    flat[all_idx] /= divisor  # a repeated position is divided once (the fancy-index assignment is not cumulative)
     return int(idx.nbytes + values.nbytes)
 
 

@@ -47,9 +47,16 @@ def k_for(n: int, ratio: float) -> int:
         raise ValueError(f"sparsification ratio spars must be in (0, 1], got {ratio!r}")
     if n < 0:
         raise ValueError(f"element count must be >= 0, got {n}")
+    return _k_for(int(n), float(ratio))
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_for(n: int, ratio: float) -> int:
+    """:func:`k_for` of checked arguments, cached: the exact product costs ~50 us, and a step asks for
+    the same few ``(n, ratio)`` pairs every time (one per tensor or bucket)."""
     if n == 0:
         return 0
-    return min(n, max(1, math.ceil(Fraction(repr(float(ratio))) * n)))
+    return min(n, max(1, math.ceil(Fraction(repr(ratio)) * n)))
 
 
 def topk_indices(x: Any, k: int) -> Any:

@@ -106,7 +106,7 @@ def topk_indices(x: Any, k: int) -> Any:
     if n <= 2 * _SAMPLE_SIZE or r > _SAMPLE_SIZE // 2:
         return _exact(x, k).astype(itype, copy=False)
     mod = xp(x)
-    sample = _magnitude(x[mod.asarray(_sample_positions(n))])
+    sample = _magnitude(x[mod.asarray(_sample_positions(n, _SAMPLE_SIZE))])
     t = float(mod.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r])
     if t > 0:
         if is_cupy(x):  # one pass on the device; NaN fails the comparison, as it ranks last
@@ -120,15 +120,15 @@ def topk_indices(x: Any, k: int) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _sample_positions(n: int) -> np.ndarray:
-    """The ``_SAMPLE_SIZE`` positions in ``[0, n)`` drawn with the fixed seed, sorted (read-only, cached).
+def _sample_positions(n: int, size: int) -> np.ndarray:
+    """The ``size`` positions in ``[0, n)`` drawn with the fixed seed, sorted (read-only, cached).
 
     Sorted, the gather reads ``x`` front to back; the sample's order does not
     change the threshold taken from it (a partition). Drawing them costs
     about 1 ms, as much as the gather, once per tensor size instead of once
     per call; 32 sizes of 400 KiB (int32) each at most are kept.
     """
-    positions = np.sort(np.random.default_rng(_SEED).integers(0, n, _SAMPLE_SIZE)).astype(index_dtype(n))
+    positions = np.sort(np.random.default_rng(_SEED).integers(0, n, size)).astype(index_dtype(n))
     positions.setflags(write=False)
     return positions
 

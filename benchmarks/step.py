@@ -91,7 +91,6 @@ from typing import Any, Callable
 import _common
 import _zero
 import numpy as np
-import threadpoolctl
 
 RESNET50_PARAMS = 25_557_032
 RESNET50_TENSORS = 161
@@ -186,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, (label, _) in VARIANTS.items():
             print(f"{k:10} {label}")
         return 0
+    import threadpoolctl  # the bench extra (pip install -e ".[bench]")
     from mpi4py import MPI
 
     import distopt

@@ -119,6 +119,23 @@ def test_cli_runs_all_reduce(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.job
+def test_cli_sets_one_omp_thread_per_process_unless_the_user_did(tmp_path):
+    """As torchrun: OMP_NUM_THREADS=1 for each of N > 1 copies when unset (said once on stderr); a value
+    the user set is kept."""
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'omp', os.environ.get('OMP_NUM_THREADS'))\n")
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for extra, want in (({}, "1"), ({"OMP_NUM_THREADS": "3"}, "3")):
+        res = subprocess.run([sys.executable, "-m", "distopt.launch", "-n", "2", str(script)], cwd=ROOT,
+                             env={**base, "PYTHONPATH": str(ROOT), **extra}, capture_output=True, text=True,
+                             timeout=40)
+        assert res.returncode == 0, res.stderr
+        assert sorted(re.findall(r"rank (\d) omp (\S+)", res.stdout)) == [("0", want), ("1", want)], res.stdout
+        assert ("OMP_NUM_THREADS=1 for each of the 2 processes" in res.stderr) == (not extra), res.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.job
 def test_cli_fail_fast(tmp_path):
     start = time.monotonic()
     res = _cli(tmp_path, "fail")

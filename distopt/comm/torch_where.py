@@ -6,8 +6,8 @@ timeout) writes ``"<wait number> waiting <call>"`` under this rank's key in the 
 that completes sooner writes nothing, so a collective that does not stall costs no store traffic.
 When a wait misses its deadline or fails, the rank reads every peer's key: a peer whose last
 recorded wait is older than this one (or that recorded none) did not arrive; one that recorded
-``failed`` for it gave up (timed out, then closed its connections). Every rank makes the same waits in the same order (the same collectives), so the
-wait numbers match across ranks.
+``failed`` for it gave up (timed out, then closed its connections). Every rank makes the same
+waits in the same order (the same collectives), so the wait numbers match across ranks.
 
 A peer that arrives less than :func:`post_after` seconds before the waiter's deadline has not
 written its key yet and is named as not arrived (it arrived within a moment of the deadline).

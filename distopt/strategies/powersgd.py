@@ -166,8 +166,8 @@ class PowerSGD(GradientStrategy):
         self._plans: dict[tuple[int, int], tuple[list[Factorization], list[Slot], Stack, Stack]] = {}
 
     def settings(self) -> dict[str, Any]:
-        return {"matrix_rank": self.matrix_rank, "start_step": self.start_step, "min_compression_rate": self.min_compression_rate,
-                "warm_start": self.warm_start, "seed": self.seed}
+        return {"matrix_rank": self.matrix_rank, "start_step": self.start_step,
+                "min_compression_rate": self.min_compression_rate, "warm_start": self.warm_start, "seed": self.seed}
 
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
         if self.steps < self.start_step:                         # dense warm-up

@@ -40,7 +40,8 @@ def test_skipped_collective_times_out():
 def test_needs_master_addr(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT, which are not set: start the script with torchrun"):
+    with pytest.raises(ValueError,
+                       match="MASTER_ADDR and MASTER_PORT, which are not set: start the script with torchrun"):
         create("torch", rank=0, size=1, timeout=5)
 
 

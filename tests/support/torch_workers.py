@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +16,30 @@ from tests.support import conformance
 TIMEOUT = 20.0
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what outgoing connections are given)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range: a port the kernel
+    handed out (``bind(0)``) may be given to one of gloo's outgoing connections before the store binds it.
+
+    Raises:
+        RuntimeError: no free port found in 200 tries.
+    """
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(10000, low), min(200, low - 10000)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in 10000-{low - 1} on 127.0.0.1 after 200 tries")
 
 
 def make_comm(port: int, rank: int, size: int, timeout: float = TIMEOUT):

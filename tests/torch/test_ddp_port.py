@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import ROOT, launcher_flags, mpiexec
+from tests.support.torch_workers import free_port
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.job
@@ -27,17 +27,11 @@ SCRIPT = ROOT / "tests" / "support" / "launched" / "ddp_port.py"
 LIMIT = 240.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(launcher: str, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DISTOPT_TIMEOUT": "60"}
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), str(out)]
+               "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), str(out)]
     else:
         cmd = [mpiexec(), *launcher_flags(), "-n", "2", sys.executable, str(SCRIPT), str(out)]
     try:

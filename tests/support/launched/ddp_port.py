@@ -13,8 +13,8 @@ and again 3 steps, checkpoint, a fresh model and optimizer resumed from it,
 3 more steps. Rank r writes ``OUT_DIR/rank<r>.json``: per variant, the
 losses of both runs and a hex digest of the final parameters and buffers.
 
-Under mpiexec, torch.distributed's gloo group for the DDP reference is set
-up over MPI (rank 0's port broadcast) and DistOpt runs on MPI; under
+Under mpiexec, ``distopt.init()`` joins MPI and makes torch.distributed's
+default gloo group (for the DDP reference), and DistOpt runs on MPI; under
 torchrun both use the torch backend.
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -151,19 +150,8 @@ def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
         backend = "torch"
         dist.init_process_group("gloo")
-    else:
-        from mpi4py import MPI
-
-        world = MPI.COMM_WORLD
-        port = None
-        if world.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = world.bcast(port, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
-                                world_size=world.size)
-        backend = "mpi"
+    else:  # distopt's MPI world makes torch's default (gloo) process group, for DDP and dist.barrier
+        backend = distopt.init().comm.name
     rank = dist.get_rank()
     result = {v: run(v, backend, rank, out / f"{v}.pt") for v in ("ddp", "zero0", "zero1", "zero2")}
     (out / f"rank{rank}.json").write_text(json.dumps({"backend": backend, "world": dist.get_world_size(),

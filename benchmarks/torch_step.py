@@ -141,34 +141,44 @@ def step_variants(torch: Any, dist: Any, distopt: Any, keys: list[str], rank: in
     return out
 
 
-def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str) -> tuple[list[Variant], int]:
-    """The ``gpt`` workload's variants and the model's parameter count."""
+def model_variants(torch: Any, distopt: Any, keys: list[str], make_model: Callable[[], Any],
+                   make_opt: Callable[[Any], Any], loss: Callable[[Any], Any]) -> tuple[list[Variant], int]:
+    """A model workload's variants (``ddp``: DDP; ``distopt``, ``zero1``, ``zero2``: DistOpt at zero=0|1|2),
+    each from seed 0, and the model's parameter count. One iteration: ``loss(net)``, ``zero_grad``,
+    ``backward``, ``step``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    out, count = [], 0
+    for key in keys:
+        torch.manual_seed(0)
+        model = make_model()
+        count = sum(p.numel() for p in model.parameters())
+        inner = make_opt(model)
+        if key == "ddp":
+            net, opt, dopt = DDP(model), inner, None
+        else:
+            zero = {"zero1": 1, "zero2": 2}.get(key, 0)
+            net, dopt = model, distopt.DistOpt(inner, backend="torch", model=model, zero=zero)
+            opt = dopt
+
+        def iteration(net: Any = net, opt: Any = opt) -> None:
+            value = loss(net)
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+        out.append(Variant(key, iteration, dopt, dopt.close if dopt is not None else (lambda: None)))
+    return out, count
+
+
+def gpt_variants(torch: Any, distopt: Any, keys: list[str], rank: int, spec: str) -> tuple[list[Variant], int]:
+    """The ``gpt`` workload's variants and the model's parameter count."""
     vocab, d_model, heads, layers, seq_len, batch = (int(v) for v in spec.split(","))
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    out, count = [], 0
-    for key in keys:
-        torch.manual_seed(0)
-        model = make_gpt(vocab, d_model, heads, layers, seq_len)
-        count = sum(p.numel() for p in model.parameters())
-        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        if key == "ddp":
-            net, opt, dopt = DDP(model), adamw, None
-        else:
-            zero = {"zero1": 1, "zero2": 2}.get(key, 0)
-            net, dopt = model, distopt.DistOpt(adamw, backend="torch", model=model, zero=zero)
-            opt = dopt
-
-        def iteration(net: Any = net, opt: Any = opt) -> None:
-            loss = torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        out.append(Variant(key, iteration, dopt, dopt.close if dopt is not None else (lambda: None)))
-    return out, count
+    return model_variants(torch, distopt, keys, lambda: make_gpt(vocab, d_model, heads, layers, seq_len),
+                          lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
+                          lambda net: torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()))
 
 
 def make_cnn(torch: Any) -> Any:
@@ -195,29 +205,11 @@ def make_cnn(torch: Any) -> Any:
 
 def cnn_variants(torch: Any, distopt: Any, keys: list[str], rank: int) -> tuple[list[Variant], int]:
     """The ``cnn`` workload's variants and the model's parameter count."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     g = torch.Generator().manual_seed(2000 + rank)
     x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-    out, count = [], 0
-    for key in keys:
-        torch.manual_seed(0)
-        model = make_cnn(torch)
-        count = sum(p.numel() for p in model.parameters())
-        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        if key == "ddp":
-            net, opt, dopt = DDP(model), sgd, None
-        else:
-            net, dopt = model, distopt.DistOpt(sgd, backend="torch", model=model)
-            opt = dopt
-
-        def iteration(net: Any = net, opt: Any = opt) -> None:
-            loss = torch.nn.functional.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        out.append(Variant(key, iteration, dopt, dopt.close if dopt is not None else (lambda: None)))
-    return out, count
+    return model_variants(torch, distopt, keys, lambda: make_cnn(torch),
+                          lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+                          lambda net: torch.nn.functional.cross_entropy(net(x), y))
 
 
 def measure(torch: Any, dist: Any, variants: list[Variant], args: argparse.Namespace) -> dict[str, Any]:

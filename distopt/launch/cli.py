@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def thread_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
+def _thread_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
     """``{"OMP_NUM_THREADS": "1"}`` for a job of more than one copy whose environment ``env`` does not set
     it (torchrun's default), else ``{}``."""
     return {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in env else {}
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     end_on_signals()
-    threads_env = thread_env(ns.nproc, dict(os.environ))
+    threads_env = _thread_env(ns.nproc, dict(os.environ))
     if threads_env:
         print(f"distopt.launch: OMP_NUM_THREADS=1 for each of the {ns.nproc} processes (it was not set); set it "
               "to give each process more threads", file=sys.stderr, flush=True)

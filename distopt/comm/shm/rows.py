@@ -68,19 +68,18 @@ _KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v", "r
 _SHARDED = ("reduce_scatter", "all_gather_into")  # their arg: op index + 8 * CRC-32 of the counts
 
 
-def _bfloat16() -> tuple[np.dtype, ...]:
-    """ml_dtypes' bfloat16 (NumPy has none), where it is installed: the last dtype code."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        return ()
-    return (np.dtype(ml_dtypes.bfloat16),)
-
-
+#: The dtypes the shm backend moves, by descriptor code; code ``BFLOAT16`` is ml_dtypes' bfloat16 (NumPy has
+#: none), looked up by name so that importing the backend does not import ml_dtypes (about 1 s of CPU).
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
     np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-)) + _bfloat16()
+))
+BFLOAT16 = len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    """The name of the dtype with descriptor ``code``."""
+    return "bfloat16" if code == BFLOAT16 else str(_DTYPES[code])
 
 
 def check_platform(size: int) -> None:
@@ -102,11 +101,13 @@ def dtype_code(dtype: np.dtype) -> int:
     Raises:
         TypeError: any other dtype (the message lists the supported ones).
     """
-    try:
-        return _DTYPES.index(np.dtype(dtype))
-    except ValueError:
-        raise TypeError(f"dtype {dtype} is not supported by the shm backend; use one of "
-                        + ", ".join(map(str, _DTYPES))) from None
+    dtype = np.dtype(dtype)
+    if dtype in _DTYPES:
+        return _DTYPES.index(dtype)
+    if dtype.name == "bfloat16" and dtype.kind == "V":  # ml_dtypes' bfloat16
+        return BFLOAT16
+    raise TypeError(f"dtype {dtype} is not supported by the shm backend; use one of "
+                    + ", ".join(map(_dtype_name, range(BFLOAT16 + 1))))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -285,7 +286,7 @@ class ControlRows:
                 "counts (as a CRC-32)": "ranks passed different counts"}
         if op != "all_gather_v":
             fields["element count"] = counts
-        fields["dtype"], show["dtype"] = codes, lambda i: str(_DTYPES[i])
+        fields["dtype"], show["dtype"] = codes, _dtype_name
         if op == "broadcast":
             fields["root"] = args
         elif op in _SHARDED:

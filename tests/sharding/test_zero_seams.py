@@ -11,6 +11,7 @@ import pytest
 
 from tests.support import zero_seam_cases as cases
 from tests.support.backends import run_case, tiered
+from tests.support.simworld import run_world
 
 torch = pytest.importorskip("torch")
 
@@ -141,7 +142,8 @@ def test_rank0_only_state_dict_after_consolidate_state_dict_equals_zero0(zero):
 
 @pytest.mark.unit
 def test_rank0_only_state_dict_without_consolidate_fails_naming_the_fix():
-    got = run_case("sim", 2, cases.case_rank0_writer, 1, False)[0]
+    # the simulated collectives time out after 3 s (half the world's limit), as the DistOpt's own timeout
+    got = run_world(2, lambda rank, comm: cases.case_rank0_writer(rank, comm, 1, False), timeout=6.0)[0]
     assert got["type"] == "CollectiveTimeoutError", got  # the other rank never calls a collective again
     assert "consolidate_state_dict(to=0)" in got["error"] and "state_dict()" in got["error"], got
 

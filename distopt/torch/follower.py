@@ -72,7 +72,7 @@ from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
 from ..step.strategy_set import slots
 from ..strategies.base import Strategy
-from .adapter import TorchOptimizer, as_array, as_tensor
+from .adapter import TorchOptimizer, as_array
 from .bucket_views import BucketViews
 from .closure import averaged_closure
 from .model_no_sync import attach_no_sync

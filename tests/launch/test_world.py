@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -235,14 +235,29 @@ def test_mpi_script_without_close_exits_without_ucx_warnings():
     assert "UCX" not in res.stdout and "mpool" not in res.stdout, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("order", ["destroy", "destroy_close", "close_destroy", "neither"])
+H53_ORDERS = ["destroy", "destroy_close", "close_destroy", "neither"]
+
+
+@pytest.fixture(scope="module")
+def h53_jobs():
+    """H53's torchrun jobs, one per order, two at a time (each mostly waits on its rendezvous and on
+    importing torch): ``order -> future`` of its finished process."""
+    pytest.importorskip("torch")
+
+    def job(order: str) -> subprocess.CompletedProcess:
+        return _run([*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                     str(free_port()), str(LAUNCHED / "h53_teardown.py"), order], timeout=30)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {order: pool.submit(job, order) for order in H53_ORDERS}
+
+
+@pytest.mark.parametrize("order", H53_ORDERS)
 @pytest.mark.job
-def test_h53_teardown_in_any_order_under_torchrun(order):
+def test_h53_teardown_in_any_order_under_torchrun(order, h53_jobs):
     """The script owns the process group; whatever the order of destroy_process_group() and close(),
     every rank exits 0 within 30 s, with identical parameters, no traceback and no warning."""
-    pytest.importorskip("torch")
-    res = _run([*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                str(free_port()), str(LAUNCHED / "h53_teardown.py"), order], timeout=30)
+    res = h53_jobs[order].result()
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     lines = sorted(re.findall(rf"H53 (\d) {order} (\[[^]]*\])", res.stdout))  # the ranks share stdout

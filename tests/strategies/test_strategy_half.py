@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from distopt import SGD, DistOpt
 from distopt.core.buckets import plan_buckets
 from distopt.core.counters import Counters
 from distopt.strategies import BucketContext, Half
@@ -43,3 +44,26 @@ def test_half_settings_are_validated():
     with pytest.raises(ValueError):
         Half(predivide=0.0).bind(2, None)  # checked against the world size at the first step
     assert Half(wire="bfloat16").settings() == {"wire": "bfloat16", "predivide": None, "clip": None}
+
+
+def test_h07_fp16_no_underflow_predivide_1_at_w8():
+    """H07 at its stated world size W=8: 1.2e-7 on every rank; predivide=1 keeps it (> 0, within 6e-8), the
+    default predivide (W) never gives a NaN; every rank ends with the same bytes."""
+    def rank_fn(rank, comm):  # noqa: ARG001
+        kept_opt = DistOpt(SGD(lr=1.0), comm=comm)
+        p, g = np.zeros(4, np.float32), np.full(4, 1.2e-7, np.float32)
+        kept_opt.step_half([p], [g], predivide=1)
+        default_opt = DistOpt(SGD(lr=1.0), comm=comm)
+        q, g2 = np.zeros(4, np.float32), np.full(4, 1.2e-7, np.float32)
+        default_opt.step_half([q], [g2])  # default predivide = W: may flush to 0 at W=8 (documented trade-off)
+        return g, p, g2, q
+
+    results = run_world(8, rank_fn)
+    kept, p, g2, q = results[0]
+    assert (kept > 0).all(), kept
+    np.testing.assert_allclose(kept, 1.2e-7, rtol=0, atol=6e-8)
+    np.testing.assert_allclose(p, -kept)
+    assert not np.isnan(g2).any() and not np.isnan(q).any()
+    assert (g2 >= 0).all() and np.isfinite(g2).all()
+    for other in results[1:]:
+        assert [a.tobytes() for a in other] == [a.tobytes() for a in results[0]]

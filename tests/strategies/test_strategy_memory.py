@@ -20,7 +20,6 @@ from distopt.core.buckets import plan_buckets
 from distopt.strategies import DGC, PowerSGD, Residuals, Sparse
 from tests.support.strategy_data import SHAPES
 from tests.support.strategy_data import grads_for as _grads
-from tests.support.strategy_data import params_for as _params
 from tests.support.simworld import run_world
 
 pytestmark = pytest.mark.unit

@@ -124,10 +124,15 @@ class Pool:
                                  + "\n".join(f"--- rank {r} ---\n{text}" for r, text in failed))
         return [value for _, value in outcomes]
 
+    def stop(self) -> None:
+        """Ask the workers to end (the stop file); :meth:`close` waits for them."""
+        if self.alive:
+            (self.dir / "stop").touch()
+
     def close(self) -> None:
         """End the workers (a stop file, then SIGKILL after a few seconds) and remove the folder."""
         if self.alive:
-            (self.dir / "stop").touch()
+            self.stop()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -159,7 +164,9 @@ def discard(backend: str, size: int) -> None:
 
 @atexit.register
 def close_pools() -> None:
-    """End every pool (at the end of the test run)."""
+    """End every pool (at the end of the test run): every pool is asked first, so their workers end together."""
+    for pool in _POOLS.values():
+        pool.stop()
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

@@ -241,7 +241,6 @@ def test_array_average_in_place_without_update():
 
 def test_model_names_differ_raise_on_every_rank():
     from distopt import CollectiveMismatchError
-    from tests.support.simworld import RankFailed
 
     def rank_fn(rank, comm):
         model = make_model(0)

@@ -18,7 +18,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from distopt import SGD, CollectiveMismatchError, DistOpt
+from distopt import SGD, CollectiveMismatchError
 from distopt.strategies import Partial
 
 PAIR = 4 + 4  # bytes per (int32 index, float32 value)

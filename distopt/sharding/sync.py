@@ -12,7 +12,8 @@ a bucket's collective  all-reduce, in place        all-reduce, in place        r
 the reduced bucket     unpacked into the           unpacked into the           kept as the segment; the
                        gradients                   gradients                   bucket's buffer is dropped
 the finiteness vote    only with ``check_finite``  only with ``check_finite``  always (each rank sees its
-                                                                               segments)
+                                                                               segments), carrying the
+                                                                               gradient flags
 the update             every parameter             this rank's pieces, then    this rank's pieces, then
                                                    the parameters' all-gather  the parameters' all-gather
 =====================  ==========================  ==========================  ===========================
@@ -73,6 +74,9 @@ class StepSync:
     settles_from_reduced = True
     #: A bucket's collective leaves its result in the bucket's flat buffer (``BucketContext.out``).
     in_place = True
+    #: Every step votes after the reduction, and the vote may carry the gradient flags
+    #: (:meth:`~distopt.step.outcome.Agreement.on_reduced`).
+    settles_in_vote = False
 
     def __init__(self, launch: Any) -> None:
         self.launch = launch
@@ -103,9 +107,16 @@ class StepSync:
         overflowing half-precision sum of finite inputs): the step is then skipped (collective)."""
         if not check_finite:
             return False
-        bad = any(not bool(xp_of(g).isfinite(g).all()) for g, ok in zip(grads, present)
-                  if ok and g is not None and is_float(g))
-        return agree(bad)
+        return self.settle(agree(self.bad_here(grads, present)), check_finite)
+
+    def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:
+        """This rank's vote: whether some reduced gradient it holds is not finite."""
+        return any(not bool(xp_of(g).isfinite(g).all()) for g, ok in zip(grads, present)
+                   if ok and g is not None and is_float(g))
+
+    def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
+        """The vote's result: True skips the step."""
+        return bad_anywhere and check_finite
 
     def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:
         """The local update of an array model: every parameter with a gradient on some rank."""
@@ -171,6 +182,7 @@ class ShardedStep(PieceUpdate):
 
     settles_from_reduced = False  # each rank sees only its own segments
     in_place = False  # a reduce-scatter's result is a new array, the segment
+    settles_in_vote = True
 
     def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,
@@ -201,14 +213,21 @@ class ShardedStep(PieceUpdate):
         return flat is not None
 
     def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
-        """Whether every rank's segments are finite (collective, always). Not finite: skipped with
-        ``check_finite``, else every rank's segments are set to NaN, as a dense average would be NaN on
-        every rank (so ``GradScaler`` sees it everywhere)."""
-        bad = agree(any(not _finite(seg) for seg in self.segments.values() if seg.size))
-        if bad and not check_finite:
+        """Whether every rank's segments are finite (collective, always); see :meth:`settle`."""
+        return self.settle(agree(self.bad_here(grads, present)), check_finite)
+
+    def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:  # noqa: ARG002
+        """This rank's vote: whether some element of its segments is not finite."""
+        return any(not _finite(seg) for seg in self.segments.values() if seg.size)
+
+    def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
+        """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad
+        vote sets every rank's segments to NaN, as a dense average would be NaN on every rank (so
+        ``GradScaler`` sees it everywhere)."""
+        if bad_anywhere and not check_finite:
             for seg in self.segments.values():
                 seg[...] = np.nan
-        return bad and check_finite
+        return bad_anywhere and check_finite
 
     def piece_grads(self, grads: Sequence[Any]) -> list[Any]:  # noqa: ARG002
         """This rank's pieces of the averaged gradients: views into its segments."""
@@ -226,6 +245,8 @@ class BucketSync:
     stage = 0
     #: See :attr:`StepSync.settles_from_reduced`.
     settles_from_reduced = True
+    #: See :attr:`StepSync.settles_in_vote`: the header may leave a step's outcome to the vote.
+    settles_in_vote = False
 
     def check(self, strategy: Strategy) -> None:
         """Refuse a strategy this stage cannot run (see :func:`~distopt.sharding.plan.check_strategy`)."""
@@ -261,6 +282,7 @@ class ShardedSync(BucketSync):
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self.settles_from_reduced = stage == 1  # stage 2: each rank sees only its own segments
+        self.settles_in_vote = stage == 2  # ... and votes on them at every step
         self._pieces: tuple[Any, list[Any]] | None = None
 
     def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:

@@ -29,7 +29,10 @@ Per step, the engine
    every rank gives the same answer to "is a reduced gradient all zeros?"
    (read from its start, one element as a rule), and only a yes costs the
    flags. A steady-state step costs one control
-   collective, overlapped or not.
+   collective, overlapped or not. A sync that votes on the reduced values at
+   every step (``zero=2``: each rank sees only its segments) carries the
+   flags in that vote (:meth:`~distopt.step.outcome.Agreement.on_reduced`):
+   two control collectives per step.
 
 Averaging independent random inits would shrink them, so parameters are
 broadcast from rank 0, never averaged. Every collective error carries the
@@ -140,8 +143,9 @@ class Engine:
         if grads is not None:
             unsettled = 2 * any(g is None for p, g in zip(params, grads) if is_float(p))
         else:
-            unsettled = 1 if (not self.check_finite and self.sync.settles_from_reduced and strategy.identical_replicas
-                              and all(isinstance(p, np.ndarray) for p in params)) else 2
+            unsettled = 1 if self.sync.settles_in_vote or (
+                not self.check_finite and self.sync.settles_from_reduced and strategy.identical_replicas
+                and all(isinstance(p, np.ndarray) for p in params)) else 2
         bad = self.check_finite and not unsettled and not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
                            unsettled, int(bad), 0 if groups is None else groups.digest, int(shadow)],

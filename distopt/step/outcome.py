@@ -4,7 +4,8 @@ The step header (:class:`~distopt.step.engine.Engine`) settles a step when
 it can; otherwise the pipeline completing the step asks its
 :class:`Agreement` for one small all-reduce of gradient flags
 (:meth:`Agreement.on_gradients`) or, after the reduction, one vote on the
-reduced values (:meth:`Agreement.vote`). Every collective error carries the
+reduced values (:meth:`Agreement.vote`), or both in one all-reduce after the
+reduction (:meth:`Agreement.on_reduced`). Every collective error carries the
 step number and where it happened (:meth:`Agreement.context`).
 """
 from __future__ import annotations
@@ -47,8 +48,8 @@ class Outcome:
 
 
 class Pending(Outcome):
-    """The header's outcome of a step whose reduced gradients settle which gradients exist (host arrays,
-    no ``check_finite``, nobody joined: see :mod:`distopt.step.engine`)."""
+    """The header's outcome of a step whose reduction settles which gradients exist (nobody joined; host
+    arrays and no ``check_finite``, or a sync that votes at every step: see :mod:`distopt.step.engine`)."""
 
 
 def all_zero(array: Any) -> bool:
@@ -113,19 +114,38 @@ class Agreement:
         if settled is not None:
             outcome = Outcome(list(settled.present), settled.active, settled.skipped)
         else:
-            flags = np.zeros(len(params) + 2, dtype=np.int32)
-            for i, (p, g) in enumerate(zip(params, grads)):
-                flags[i] = g is not None and is_float(p)
-            flags[-2] = int(active)
-            if self.check_finite and active:
-                flags[-1] = not_finite(grads)
-            with self.context("agreement on gradients present"):
-                self.comm.all_reduce(flags, op="sum")
-            self.counters.control_collectives += 1
-            outcome = Outcome([bool(c) for c in flags[:-2]], int(flags[-2]), bool(flags[-1]))
+            outcome, _ = self._flags(params, grads, active, None)
         if outcome.skipped:
             self.counters.skipped_steps += 1
         return outcome
+
+    def on_reduced(self, params: Sequence[Any], grads: Sequence[Any], active: bool, bad: bool) -> tuple[Outcome, bool]:
+        """:meth:`on_gradients` and :meth:`vote` in one all-reduce, after the reduction (``grads``: this
+        rank's own gradients, None where it had none; ``bad``: this rank's vote on its reduced values).
+        Returns the outcome and whether some rank's ``bad`` was set (``len(params) + 3`` int32 flags)."""
+        outcome, bad_anywhere = self._flags(params, grads, active, bad)
+        if outcome.skipped:
+            self.counters.skipped_steps += 1
+        return outcome, bool(bad_anywhere)
+
+    def _flags(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
+               bad: bool | None) -> tuple[Outcome, bool]:
+        """The flags' all-reduce (sum): gradient present per parameter, active, not finite (with
+        ``check_finite``), and, when ``bad`` is given, the vote on the reduced values."""
+        extra = bad is not None
+        flags = np.zeros(len(params) + 2 + extra, dtype=np.int32)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            flags[i] = g is not None and is_float(p)
+        n = len(params)
+        flags[n] = int(active)
+        if self.check_finite and active:
+            flags[n + 1] = not_finite(grads)
+        if extra:
+            flags[n + 2] = int(bool(bad))
+        with self.context("agreement on gradients present" + (" and the reduced gradient finite" if extra else "")):
+            self.comm.all_reduce(flags, op="sum")
+        self.counters.control_collectives += 1
+        return Outcome([bool(c) for c in flags[:n]], int(flags[n]), bool(flags[n + 1])), bool(extra and flags[n + 2])
 
     def vote(self, bad: bool) -> bool:
         """Whether some rank's ``bad`` is set: one one-element int32 all-reduce (max), on the reduced gradient."""

@@ -246,6 +246,8 @@ class BucketPipeline:
         """Finish a pending step's buckets (nobody joined: divided by the world size), then its outcome:
         every float gradient present when none reduced to all zeros (the same answer on every rank, the
         reduced values being the same), else the gradient flags' all-reduce, from this rank's own ``grads``."""
+        if self.sync.settles_in_vote:
+            return self._settle_in_vote(grads, active)
         had = [g is not None for g in grads]
         self.finish(grads, self.comm.size)
         for i, p in enumerate(self.params):
@@ -259,6 +261,17 @@ class BucketPipeline:
                 return self.agreement.on_gradients(self.params, [g if h else None for g, h in zip(grads, had)],
                                                    active)
         return Outcome([is_float(p) for p in self.params], self.comm.size, False)
+
+    def _settle_in_vote(self, grads: list[Any], active: bool) -> Outcome:
+        """Finish a pending step's buckets (nobody joined: divided by the world size), then settle its
+        outcome and the vote on the reduced values in one all-reduce (a sync that votes at every step)."""
+        own = list(grads)  # this rank's own gradients (None where it had none)
+        self.finish(grads, self.comm.size)
+        agreement = self.agreement
+        outcome, bad = agreement.on_reduced(self.params, own, active, self.sync.bad_here(grads, [True] * len(grads)))
+        if self.sync.settle(bad, agreement.check_finite) and not outcome.skipped:
+            agreement.skip(outcome)
+        return outcome
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
         """Start every bucket not started yet, in order; missing gradients pack as zeros.

@@ -42,13 +42,13 @@ class Net(torch.nn.Module):
         return y + self.extra(x) if use_extra else y
 
 
-def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: bool) -> dict[str, Any]:
+def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: bool, zero: int = 0) -> dict[str, Any]:
     """Steps of :data:`USES`: control collectives per step, whether ``extra``'s gradient is None after each
-    backward, and the parameters."""
+    backward (after each step at ``zero=2``, whose ``.grad`` is a placeholder until then), and the parameters."""
     torch.manual_seed(rank)  # different inits: rank 0's are broadcast
     model = Net().double()
     opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm=comm, model=model,
-                  overlap=overlap, gradient_as_bucket_view=bucket_view)
+                  overlap=overlap, gradient_as_bucket_view=bucket_view, zero=zero)
     g = torch.Generator().manual_seed(100 + rank)
     out: dict[str, Any] = {"control": [], "extra_grad_none": [], "extra_grad": []}
     for users in USES:
@@ -56,9 +56,14 @@ def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: b
         before = opt.stats["control_collectives"]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x, users is None or rank in users), y).backward()
-        out["extra_grad_none"].append(model.extra.weight.grad is None)
-        out["extra_grad"].append(None if model.extra.weight.grad is None else model.extra.weight.grad.clone())
+        if zero < 2:
+            out["extra_grad_none"].append(model.extra.weight.grad is None)
+            out["extra_grad"].append(None if model.extra.weight.grad is None else model.extra.weight.grad.clone())
+        else:
+            before_step = model.extra.weight.detach().clone()
         opt.step()
+        if zero == 2:  # a parameter nobody used keeps its value (momentum included): no update at all
+            out["extra_grad_none"].append(bool(torch.equal(before_step, model.extra.weight.detach())))
         out["control"].append(opt.stats["control_collectives"] - before)
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     opt.close()
@@ -80,6 +85,19 @@ def _check_control(results: list[dict[str, Any]], overlap: bool) -> None:
 @pytest.mark.unit
 def test_steady_state_torch_step_issues_one_control_collective(overlap: bool, bucket_view: bool):
     _check_control(run_case("sim", 2, case_control_collectives, overlap, bucket_view), overlap)
+
+
+@pytest.mark.unit
+def test_zero2_step_folds_the_gradient_flags_into_its_finiteness_vote():
+    """zero=2 votes on its reduced segments at every step (each rank sees only its own); that vote
+    carries the gradient flags, so a step costs two control collectives (header, vote), a parameter
+    nobody used (step 3) included, and the parameters equal zero=0's bitwise."""
+    sharded = run_case("sim", 2, case_control_collectives, True, False, 2)
+    dense = run_case("sim", 2, case_control_collectives, True, False, 0)
+    for out in sharded:
+        assert out["control"][1:] == [2, 2, 2, 2, 2], out["control"]
+        assert out["extra_grad_none"] == [False, False, False, True, False, False]
+    assert all(torch.equal(r["params"], dense[0]["params"]) for r in sharded)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "shm", "torch"])

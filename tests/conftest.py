@@ -8,6 +8,11 @@
 tier marker, or with more than one, fails the collection, naming it. The
 inner suites under ``tests/support/mpi/`` are exempt: each runs inside one ``world``
 test, under ``mpiexec``.
+
+The tiers run in that order (each in file order). When the ``world`` tier is
+selected, its worker pools (:mod:`tests.support.pool`) start right after
+the collection, so their start-up (importing PyTorch on every worker)
+overlaps the ``unit`` tier instead of the first case of each pool.
 """
 from __future__ import annotations
 
@@ -30,3 +35,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if wrong:
         raise pytest.UsageError("every test needs exactly one of the markers " + ", ".join(TIERS) + ":\n  "
                                 + "\n  ".join(wrong))
+    items.sort(key=_tier_index)  # stable: file order within a tier
+
+
+def _tier_index(item: pytest.Item) -> int:
+    """The position of ``item``'s tier in :data:`TIERS` (an inner suite's test: its own tier, last)."""
+    found = [m.name for m in item.iter_markers() if m.name in TIERS]
+    return TIERS.index(found[0]) if found else len(TIERS)
+
+
+#: Selected ``world`` tests from which every pool starts at once (a single case starts only its own).
+PRESTART_FROM = 20
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the worker pools while the ``unit`` tier runs, when the ``world`` tier (or much of it) is selected."""
+    if sum(1 for item in session.items if item.get_closest_marker("world")) >= PRESTART_FROM:
+        from tests.support.pool import prestart
+
+        prestart()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import os
 import pickle
 import shutil
@@ -152,6 +153,21 @@ def run_pooled(backend: str, size: int, target: str, args: tuple, timeout: float
     if pool is None or not pool.alive:
         pool = _POOLS[(backend, size)] = Pool(backend, size)
     return pool.run(target, args, timeout)
+
+
+#: The pools the ``world`` tier uses: every real backend at W = 1 to 4.
+PRESTART = tuple((backend, size) for backend in ("mpi", "shm", "torch") for size in (1, 2, 3, 4))
+
+
+def prestart(pools: tuple[tuple[str, int], ...] = PRESTART) -> None:
+    """Start ``pools`` (``(backend, size)`` pairs) now, without waiting for their workers: a pool's first
+    case then finds them started (or waits for the rest of their start-up). A backend this machine lacks
+    (no PyTorch, no ``mpiexec``) is left to its first case, which reports it (or is skipped)."""
+    have = {"mpi": shutil.which("mpiexec") is not None or (Path(sys.executable).parent / "mpiexec").exists(),
+            "shm": True, "torch": importlib.util.find_spec("torch") is not None}
+    for key in pools:
+        if key not in _POOLS and have[key[0]]:
+            _POOLS[key] = Pool(*key)
 
 
 def discard(backend: str, size: int) -> None:

@@ -45,8 +45,11 @@ class Net(torch.nn.Module):
 def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: bool, zero: int = 0) -> dict[str, Any]:
     """Steps of :data:`USES`: control collectives per step, whether ``extra``'s gradient is None after each
     backward (after each step at ``zero=2``, whose ``.grad`` is a placeholder until then), and the parameters."""
-    torch.manual_seed(rank)  # different inits: rank 0's are broadcast
     model = Net().double()
+    init = torch.Generator().manual_seed(rank)  # different inits (rank 0's are broadcast), not from the
+    with torch.no_grad():  # global generator, which the simulated world's threads share
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init, dtype=p.dtype))
     opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm=comm, model=model,
                   overlap=overlap, gradient_as_bucket_view=bucket_view, zero=zero)
     g = torch.Generator().manual_seed(100 + rank)

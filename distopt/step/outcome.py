@@ -126,7 +126,7 @@ class Agreement:
         outcome, bad_anywhere = self._flags(params, grads, active, bad)
         if outcome.skipped:
             self.counters.skipped_steps += 1
-        return outcome, bool(bad_anywhere)
+        return outcome, bad_anywhere
 
     def _flags(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
                bad: bool | None) -> tuple[Outcome, bool]:

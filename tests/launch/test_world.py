@@ -173,7 +173,8 @@ def test_no_loadable_mpi_library():
 @pytest.mark.timeout(60)
 @pytest.mark.job
 def test_cli_tag_output_and_module_form():
-    res = _run([sys.executable, "-m", "distopt.launch", "-n", "2", "--tag-output", "-m", "tests.support.launched.average_step"])
+    res = _run([sys.executable, "-m", "distopt.launch", "-n", "2", "--tag-output", "-m",
+                "tests.support.launched.average_step"])
     assert res.returncode == 0, res.stderr[-3000:]
     for r in range(2):
         assert re.search(rf"^\[rank {r}\] RESULT \[\"shm\", {r}, 2, {r}, ", res.stdout, flags=re.M), res.stdout

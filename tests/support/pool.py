@@ -163,8 +163,13 @@ def prestart(pools: tuple[tuple[str, int], ...] = PRESTART) -> None:
     """Start ``pools`` (``(backend, size)`` pairs) now, without waiting for their workers: a pool's first
     case then finds them started (or waits for the rest of their start-up). A backend this machine lacks
     (no PyTorch, no ``mpiexec``) is left to its first case, which reports it (or is skipped)."""
-    have = {"mpi": shutil.which("mpiexec") is not None or (Path(sys.executable).parent / "mpiexec").exists(),
-            "shm": True, "torch": importlib.util.find_spec("torch") is not None}
+    from tests.support.harness import mpiexec
+
+    try:
+        have_mpi = bool(mpiexec())
+    except RuntimeError:
+        have_mpi = False
+    have = {"mpi": have_mpi, "shm": True, "torch": importlib.util.find_spec("torch") is not None}
     for key in pools:
         if key not in _POOLS and have[key[0]]:
             _POOLS[key] = Pool(*key)

@@ -44,16 +44,19 @@ class Net(torch.nn.Module):
 
 def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: bool, zero: int = 0) -> dict[str, Any]:
     """Steps of :data:`USES`: control collectives per step, whether ``extra``'s gradient is None after each
-    backward (after each step at ``zero=2``, whose ``.grad`` is a placeholder until then), and the parameters."""
+    backward (at ``zero=2``, whose ``.grad`` is a placeholder until ``step()``: whether ``step()`` left
+    ``extra`` unchanged), and the parameters."""
     model = Net().double()
-    init = torch.Generator().manual_seed(rank)  # different inits (rank 0's are broadcast), not from the
-    with torch.no_grad():  # global generator, which the simulated world's threads share
+    # different inits (rank 0's are broadcast), from a generator of this rank's own: the simulated
+    # world's ranks are threads sharing torch's global one
+    init = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=init, dtype=p.dtype))
     opt = DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm=comm, model=model,
                   overlap=overlap, gradient_as_bucket_view=bucket_view, zero=zero)
     g = torch.Generator().manual_seed(100 + rank)
-    out: dict[str, Any] = {"control": [], "extra_grad_none": [], "extra_grad": []}
+    out: dict[str, Any] = {"control": [], "extra_grad_none": [], "extra_grad": [], "extra_unchanged": []}
     for users in USES:
         x, y = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 1, generator=g, dtype=torch.float64)
         before = opt.stats["control_collectives"]
@@ -66,7 +69,7 @@ def case_control_collectives(rank: int, comm: Any, overlap: bool, bucket_view: b
             before_step = model.extra.weight.detach().clone()
         opt.step()
         if zero == 2:  # a parameter nobody used keeps its value (momentum included): no update at all
-            out["extra_grad_none"].append(bool(torch.equal(before_step, model.extra.weight.detach())))
+            out["extra_unchanged"].append(bool(torch.equal(before_step, model.extra.weight.detach())))
         out["control"].append(opt.stats["control_collectives"] - before)
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     opt.close()
@@ -99,7 +102,7 @@ def test_zero2_step_folds_the_gradient_flags_into_its_finiteness_vote():
     dense = run_case("sim", 2, case_control_collectives, True, False, 0)
     for out in sharded:
         assert out["control"][1:] == [2, 2, 2, 2, 2], out["control"]
-        assert out["extra_grad_none"] == [False, False, False, True, False, False]
+        assert out["extra_unchanged"] == [False, False, False, True, False, False]
     assert all(torch.equal(r["params"], dense[0]["params"]) for r in sharded)
 
 

@@ -13,14 +13,21 @@ The tiers run in that order (each in file order). When the ``world`` tier is
 selected, its worker pools (:mod:`tests.support.pool`) start right after
 the collection, so their start-up (importing PyTorch on every worker)
 overlaps the ``unit`` tier instead of the first case of each pool.
+
+At the end of the run, MPICH's shared-memory segments that the run left in
+/dev/shm with no process mapping them (the fault tests SIGKILL MPI ranks,
+and MPICH cannot remove those ranks' segments) are removed.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 TIERS = ("unit", "world", "job")
+#: MPICH's segments in /dev/shm when the run started.
+MPICH_BEFORE = pytest.StashKey[set]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
@@ -42,6 +49,23 @@ def _tier_index(item: pytest.Item) -> int:
     """The position of ``item``'s tier in :data:`TIERS` (an inner suite's test: its own tier, last)."""
     found = [m.name for m in item.iter_markers() if m.name in TIERS]
     return TIERS.index(found[0]) if found else len(TIERS)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note MPICH's segments in /dev/shm before the run (see :func:`pytest_sessionfinish`)."""
+    from tests.support.harness import mpich_segments
+
+    session.stash[MPICH_BEFORE] = mpich_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001
+    """End the worker pools, then remove the MPICH segments this run left that no process maps."""
+    from tests.support.harness import remove_orphaned_mpich_segments
+    from tests.support.pool import OWNER_ENV, close_pools
+
+    close_pools()
+    if OWNER_ENV not in os.environ:  # the test run itself, not an inner suite inside a pool's worker
+        remove_orphaned_mpich_segments(session.stash.get(MPICH_BEFORE, set()))
 
 
 #: Selected ``world`` tests from which every pool starts at once (a single case starts only its own).

@@ -54,6 +54,37 @@ def _stall_report(progress: Path, n: int) -> str:
     return "\n".join(lines) or "all ranks reported done, but mpiexec did not exit"
 
 
+def mpich_segments() -> set[str]:
+    """The names of MPICH's shared-memory segments in /dev/shm (``mpich_shm_*``); empty where there is none."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
+
+
+def remove_orphaned_mpich_segments(before: set[str], min_age_s: float = 10.0) -> list[str]:
+    """Unlink the MPICH segments made since ``before`` (:func:`mpich_segments`) that no live process maps
+    and that are at least ``min_age_s`` seconds old (a job starting now maps its segment right after making
+    it): MPICH cannot remove a segment whose ranks were SIGKILLed, as the fault tests do. Returns their names."""
+    import time
+
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(re.findall(r"/dev/shm/(mpich_shm_\S+)", maps.read_text()))
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+    now = time.time()
+    orphaned = []
+    for name in sorted(mpich_segments() - before - mapped):
+        try:
+            if now - (Path("/dev/shm") / name).stat().st_mtime >= min_age_s:
+                orphaned.append(name)
+        except FileNotFoundError:
+            continue
+    for name in orphaned:
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+    return orphaned
+
+
 def run_job(argv: list[str], n: int, timeout: float, *, collective_timeout: float = 20.0,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``mpiexec -n n <argv>`` and return the finished process.

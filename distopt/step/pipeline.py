@@ -268,7 +268,8 @@ class BucketPipeline:
         own = list(grads)  # this rank's own gradients (None where it had none)
         self.finish(grads, self.comm.size)
         agreement = self.agreement
-        outcome, bad = agreement.on_reduced(self.params, own, active, self.sync.bad_here(grads, [True] * len(grads)))
+        mine = self.sync.bad_here(grads, [g is not None for g in own])
+        outcome, bad = agreement.on_reduced(self.params, own, active, mine)
         if self.sync.settle(bad, agreement.check_finite) and not outcome.skipped:
             agreement.skip(outcome)
         return outcome

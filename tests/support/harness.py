@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,8 +65,6 @@ def remove_orphaned_mpich_segments(before: set[str], min_age_s: float = 10.0) ->
     """Unlink the MPICH segments made since ``before`` (:func:`mpich_segments`) that no live process maps
     and that are at least ``min_age_s`` seconds old (a job starting now maps its segment right after making
     it): MPICH cannot remove a segment whose ranks were SIGKILLed, as the fault tests do. Returns their names."""
-    import time
-
     mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:

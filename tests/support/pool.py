@@ -22,7 +22,6 @@ next case starts a new pool.
 """
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
 import os
@@ -183,9 +182,9 @@ def discard(backend: str, size: int) -> None:
         pool.close()
 
 
-@atexit.register
 def close_pools() -> None:
-    """End every pool (at the end of the test run): every pool is asked first, so their workers end together."""
+    """End every pool (at the end of the test run, from ``tests/conftest.py``): every pool is asked first, so
+    their workers end together."""
     for pool in _POOLS.values():
         pool.stop()
     for pool in _POOLS.values():

@@ -12,7 +12,9 @@ test, under ``mpiexec``.
 The tiers run in that order (each in file order). When the ``world`` tier is
 selected, its worker pools (:mod:`tests.support.pool`) start right after
 the collection, so their start-up (importing PyTorch on every worker)
-overlaps the ``unit`` tier instead of the first case of each pool.
+overlaps the ``unit`` tier instead of the first case of each pool; they
+end when the ``job`` tier begins (their idle workers, with the threads
+their cases left, would take CPU from the jobs).
 
 At the end of the run, MPICH's shared-memory segments that the run left in
 /dev/shm with no process mapping them (the fault tests SIGKILL MPI ranks,
@@ -78,3 +80,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.support.pool import prestart
 
         prestart()
+
+
+#: Set at the first ``job`` test, once the ``world`` tier's pools were closed.
+POOLS_CLOSED = pytest.StashKey[bool]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At the first ``job`` test: end the ``world`` tier's worker pools (see above)."""
+    if item.get_closest_marker("job") and POOLS_CLOSED not in item.session.stash:
+        from tests.support.pool import close_pools
+
+        close_pools()
+        item.session.stash[POOLS_CLOSED] = True

@@ -192,3 +192,25 @@ def test_netsim_gpt_smoke(tmp_path):
     for key, rec in data["results"].items():
         assert rec["time_ms"] > 0 and rec["final_loss"] > 0 and rec["wire_bytes"] > 0, key
     assert data["results"]["dense"]["final_loss"] == pytest.approx(data["results"]["ddp"]["final_loss"], rel=1e-3)
+
+
+@pytest.mark.job
+def test_zero_benchmark_smoke(tmp_path):
+    """``benchmarks/zero.py`` (a driver of torchrun jobs) at W = 2 on a tiny GPT, DDP and ``zero=1``: every
+    field of both rows; zero=1 holds half of DDP's AdamW state and ends bitwise equal to DDP."""
+    pytest.importorskip("torch")
+    out = tmp_path / "zero.json"
+    res = subprocess.run([sys.executable, str(BENCH / "zero.py"), "--variants", "ddp,zero1", "--gpt", "256,32,2,1,16,2",
+                          "--rounds", "1", "--iters", "1", "--warmup", "1", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = _load(out, "zero")
+    rows = data["results"]
+    assert set(rows) == {"ddp", "zero1"}
+    for key, rec in rows.items():
+        assert {"time_ms", "x_ddp", "peak_rss_mib", "parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
+                "max_abs_diff_vs_ddp"} <= set(rec), key
+        assert rec["peak_rss_mib"] > 0 and rec["parameter_bytes"] == rec["params"] * 4, rec
+    assert rows["zero1"]["max_abs_diff_vs_ddp"] == 0.0, rows["zero1"]
+    assert rows["ddp"]["optimizer_state_bytes"] == 2 * rows["ddp"]["parameter_bytes"]  # AdamW's two moments
+    assert rows["zero1"]["optimizer_state_bytes"] <= rows["ddp"]["optimizer_state_bytes"] / 2 + 1024, rows

@@ -145,6 +145,9 @@ class PieceUpdate(StepSync):
             its state by them).
     """
 
+    #: The buffers of a step are the layout's, kept from step to step (the gather may add to them).
+    keeps_buffers = True
+
     def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,
                  pieces: Callable[[list[Any]], list[Any]]) -> None:
@@ -163,7 +166,8 @@ class PieceUpdate(StepSync):
 
     def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
         """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
-        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous)
+        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous,
+                             keep=self.keeps_buffers)
         gather.start()
         self.counters.gather_bytes += gather.gathered_bytes
         return gather
@@ -183,6 +187,7 @@ class ShardedStep(PieceUpdate):
     settles_from_reduced = False  # each rank sees only its own segments
     in_place = False  # a reduce-scatter's result is a new array, the segment
     settles_in_vote = True
+    keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
 
     def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,

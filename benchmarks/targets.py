@@ -1,12 +1,13 @@
 """The performance targets vs what the benchmark scripts measured: one Markdown table.
 
-Reads the JSON that ``step.py``, ``allreduce.py``, ``overlap.py`` and
-``train.py`` wrote (default: ``benchmarks/results/<name>.json``) and prints,
+Reads the JSON that ``step.py``, ``allreduce.py``, ``overlap.py``,
+``train.py`` and ``zero.py`` wrote (default: ``benchmarks/results/<name>.json``) and prints,
 per target, the goal, the measured figure and whether it is met, with the
 run it comes from (git commit, date). Nothing is measured here and no
 figure is typed in: a target whose run is missing reads "not measured".
 
     python benchmarks/targets.py [--step S.json] [--allreduce A.json] [--overlap O.json] [--train T.json]
+                                 [--zero Z.json]
 """
 from __future__ import annotations
 
@@ -88,19 +89,36 @@ def train_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None,
             ("... eval accuracy, plain - DDP (points)", "same (|d| <= 0.5)", acc, acc is not None and abs(acc) <= 0.5)]
 
 
+def zero_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """``zero.py`` (torch, AdamW): zero=1's time over zero=0's; zero=1's peak RSS over what zero=0's minus the
+    optimizer state zero=1 saves would be."""
+    r = (run or {}).get("results", {})
+    z0, z1 = r.get("zero0"), r.get("zero1")
+    time = z1["time_ms"] / z0["time_ms"] if z0 and z1 else None
+    rss = None
+    if z0 and z1:
+        saved_mib = (z0["optimizer_state_bytes"] - z1["optimizer_state_bytes"]) / (1 << 20)
+        rss = z1["peak_rss_mib"] / (z0["peak_rss_mib"] - saved_mib)
+    return [("torch AdamW: zero=1 step / zero=0 step", "<= 0.9", time, time is not None and time <= 0.9),
+            ("torch AdamW: zero=1 peak RSS / (zero=0 peak RSS - the state it saves)", "<= 1.0", rss,
+             rss is not None and rss <= 1.0)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step", type=Path, default=RESULTS / "step.json")
     p.add_argument("--allreduce", type=Path, default=RESULTS / "allreduce.json")
     p.add_argument("--overlap", type=Path, default=RESULTS / "overlap.json")
     p.add_argument("--train", type=Path, default=RESULTS / "train.json")
+    p.add_argument("--zero", type=Path, default=RESULTS / "zero.json")
     args = p.parse_args(argv)
     runs = {"step": _load(args.step), "allreduce": _load(args.allreduce), "overlap": _load(args.overlap),
-            "train": _load(args.train)}
+            "train": _load(args.train), "zero": _load(args.zero)}
     print("| target | goal | measured | met | run |")
     print("|---|---|---:|---|---|")
     for key, rows in (("step", step_rows(runs["step"])), ("allreduce", allreduce_rows(runs["allreduce"])),
-                      ("overlap", overlap_rows(runs["overlap"])), ("train", train_rows(runs["train"]))):
+                      ("overlap", overlap_rows(runs["overlap"])), ("train", train_rows(runs["train"])),
+                      ("zero", zero_rows(runs["zero"]))):
         for name, goal, value, met in rows:
             shown = "not measured" if value is None else f"{value:.2f}"
             print(f"| {name} | {goal} | {shown} | {'yes' if met else 'no'} | {_source(runs[key])} |")

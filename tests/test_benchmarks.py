@@ -214,3 +214,21 @@ def test_zero_benchmark_smoke(tmp_path):
     assert rows["zero1"]["max_abs_diff_vs_ddp"] == 0.0, rows["zero1"]
     assert rows["ddp"]["optimizer_state_bytes"] == 2 * rows["ddp"]["parameter_bytes"]  # AdamW's two moments
     assert rows["zero1"]["optimizer_state_bytes"] <= rows["ddp"]["optimizer_state_bytes"] / 2 + 1024, rows
+
+
+@pytest.mark.unit
+def test_zero_targets_read_zero_py_results():
+    """targets.py's zero.py rows: zero=1's time over zero=0's, and zero=1's peak RSS over zero=0's minus the
+    optimizer state zero=1 saves (MiB); "not measured" without the run."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import targets
+    finally:
+        sys.path.remove(str(BENCH))
+    mib = 1 << 20
+    run = {"results": {"zero0": {"time_ms": 100.0, "peak_rss_mib": 1000.0, "optimizer_state_bytes": 200 * mib},
+                       "zero1": {"time_ms": 95.0, "peak_rss_mib": 850.0, "optimizer_state_bytes": 100 * mib}}}
+    (t_name, _, t_value, t_met), (r_name, _, r_value, r_met) = targets.zero_rows(run)
+    assert t_value == pytest.approx(0.95) and not t_met
+    assert r_value == pytest.approx(850 / 900) and r_met
+    assert [row[2] for row in targets.zero_rows(None)] == [None, None]

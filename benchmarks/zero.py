@@ -9,7 +9,9 @@ Variants, every one built from seed 0 with the same data on each rank:
 
 * ``ddp``: ``DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``;
 * ``zero0``, ``zero1``, ``zero2``: ``DistOpt(AdamW, backend="torch",
-  model=..., zero=0|1|2)``;
+  model=..., zero=0|1|2)``; ``zero1_overlap``: ``zero=1`` with
+  ``overlap_param_gather=True`` (each bucket's all-gather completes when the
+  next forward reaches it);
 * ``zero_torch``: DDP and torch's ``ZeroRedundancyOptimizer`` over AdamW;
 * ``fsdp2``: torch's ``fully_shard`` (FSDP2) on every block and the root.
 
@@ -53,7 +55,7 @@ import _common
 import numpy as np
 from netsim_worker import make_gpt
 
-VARIANTS = ("ddp", "zero0", "zero1", "zero2", "zero_torch", "fsdp2")
+VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero_torch", "fsdp2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,7 +122,7 @@ def build(torch: Any, distopt: Any, key: str, spec: str, rank: int) -> Variant:
         opt = torch.optim.AdamW(model.parameters(), **adamw)
     else:
         dopt = opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), **adamw), backend="torch", model=model,
-                                     zero=int(key[-1]))
+                                     zero=int(key[4]), overlap_param_gather=key.endswith("_overlap"))
     variant = Variant(key, model, opt, lambda: None, dopt)
 
     def step() -> None:
@@ -160,7 +162,9 @@ def held_bytes(torch: Any, v: Variant) -> dict[str, int]:
 
 
 def full_params(torch: Any, v: Variant) -> list[Any]:
-    """Every parameter, whole (FSDP2's gathered), in ``model.parameters()`` order."""
+    """Every parameter, whole (FSDP2's gathered), in ``model.parameters()`` order; ``model.state_dict()``
+    first completes the all-gathers that ``overlap_param_gather`` leaves in flight after ``step()``."""
+    v.model.state_dict()
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in v.model.parameters()]
 
 
@@ -247,7 +251,8 @@ def run_job(args: argparse.Namespace, job: str, keys: list[str], folder: Path) -
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode != 0 or not out.is_file():
-        raise SystemExit(f"the {job} job of {keys} failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}")
+        tail = (res.stdout + res.stderr)[-4000:]
+        raise SystemExit(f"the {job} job of {keys} failed (exit {res.returncode}):\n{tail}")
     return json.loads(out.read_text())
 
 

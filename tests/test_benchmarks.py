@@ -228,7 +228,7 @@ def test_zero_targets_read_zero_py_results():
     mib = 1 << 20
     run = {"results": {"zero0": {"time_ms": 100.0, "peak_rss_mib": 1000.0, "optimizer_state_bytes": 200 * mib},
                        "zero1": {"time_ms": 95.0, "peak_rss_mib": 850.0, "optimizer_state_bytes": 100 * mib}}}
-    (t_name, _, t_value, t_met), (r_name, _, r_value, r_met) = targets.zero_rows(run)
-    assert t_value == pytest.approx(0.95) and not t_met
+    (_, _, t_value, t_met), (_, _, o_value, _), (_, _, r_value, r_met) = targets.zero_rows(run)
+    assert t_value == pytest.approx(0.95) and not t_met and o_value is None
     assert r_value == pytest.approx(850 / 900) and r_met
-    assert [row[2] for row in targets.zero_rows(None)] == [None, None]
+    assert [row[2] for row in targets.zero_rows(None)] == [None, None, None]

@@ -13,8 +13,8 @@ The tiers run in that order (each in file order). When the ``world`` tier is
 selected, its worker pools (:mod:`tests.support.pool`) start right after
 the collection, so their start-up (importing PyTorch on every worker)
 overlaps the ``unit`` tier instead of the first case of each pool; they
-end when the ``job`` tier begins (their idle workers, with the threads
-their cases left, would take CPU from the jobs).
+end when the ``job`` tier begins, which does not use them (about 30
+processes with PyTorch loaded: their memory goes back to the jobs).
 
 At the end of the run, MPICH's shared-memory segments that the run left in
 /dev/shm with no process mapping them (the fault tests SIGKILL MPI ranks,

@@ -31,7 +31,7 @@ Two kinds of job, one after the other:
    ``parameter_bytes``, ``optimizer_state_bytes`` and ``gradient_bytes`` are
    what rank 0 holds after the last step (BYTES: its parameter tensors or
    FSDP2's local shards; its optimizer's state tensors; its ``.grad``
-   tensors before ``zero_grad``, or distopt's ``stats["gradient_bytes"]``,
+   tensors after the last step, or distopt's ``stats["gradient_bytes"]``,
    which also counts its fusion buffers; DDP's own buckets are not counted).
 
 Prints a table and writes ``benchmarks/results/zero.json`` (``--out``) with
@@ -91,7 +91,6 @@ class Variant:
     def __init__(self, key: str, model: Any, opt: Any, step: Callable[[], None], dopt: Any = None) -> None:
         self.key, self.model, self.opt, self.step, self.dopt = key, model, opt, step, dopt
         self.rounds: list[list[float]] = []
-        self.grad_bytes = 0
 
 
 def build(torch: Any, distopt: Any, key: str, spec: str, rank: int) -> Variant:
@@ -123,29 +122,19 @@ def build(torch: Any, distopt: Any, key: str, spec: str, rank: int) -> Variant:
     else:
         dopt = opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), **adamw), backend="torch", model=model,
                                      zero=int(key[4]), overlap_param_gather=key.endswith("_overlap"))
-    variant = Variant(key, model, opt, lambda: None, dopt)
 
     def step() -> None:
         loss = torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
-        variant.grad_bytes = sum(_nbytes(p.grad) for p in model.parameters()
-                                 if p.grad is not None and not _placeholder(p.grad))
         opt.step()
-    variant.step = step
-    return variant
+    return Variant(key, model, opt, step, dopt)
 
 
 def _nbytes(t: Any) -> int:
     """BYTES of ``t`` on this rank: a DTensor's local shard (FSDP2), or the tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return int(local.numel() * local.element_size())
-
-
-def _placeholder(grad: Any) -> bool:
-    from distopt.sharding.torch_step import is_sharded_grad
-
-    return is_sharded_grad(grad)
 
 
 def held_bytes(torch: Any, v: Variant) -> dict[str, int]:
@@ -158,7 +147,8 @@ def held_bytes(torch: Any, v: Variant) -> dict[str, int]:
     inner = v.opt.optim if hasattr(v.opt, "optim") else v.opt  # ZeroRedundancyOptimizer's local optimizer
     state = sum(_nbytes(t) for s in inner.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"parameter_bytes": params, "optimizer_state_bytes": state, "gradient_bytes": v.grad_bytes}
+    grads = sum(_nbytes(p.grad) for p in v.model.parameters() if p.grad is not None)  # kept until zero_grad()
+    return {"parameter_bytes": params, "optimizer_state_bytes": state, "gradient_bytes": grads}
 
 
 def full_params(torch: Any, v: Variant) -> list[Any]:

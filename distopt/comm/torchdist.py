@@ -60,6 +60,7 @@ from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movab
 from .torch_join import join
 from .torch_shards import TorchShards
 from .torch_where import StoreWhere, post_after
+from .torch_works import wait_for_workers_at_exit
 from .wait import resolve_timeout
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
         self._where, self._waits = StoreWhere(group, self.rank, self.size), 0
         close_at_exit(self)
+        wait_for_workers_at_exit()
 
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[TorchCommunicator, RankInfo]:
@@ -195,8 +197,9 @@ class TorchCommunicator(TorchShards, CommunicatorState):
             work.wait(datetime.timedelta(seconds=brief))
             return
         except RuntimeError:
-            if work.is_completed():  # it failed (a peer closed its connection), not merely slow
-                raise
+            if work.is_completed():  # failed (a peer closed its connection), or finished just after the brief wait
+                work.wait()  # returns at once if it succeeded; raises its error if it failed
+                return
         self._where.post(number, what)
         work.wait(datetime.timedelta(seconds=self.timeout - brief))
 

@@ -59,8 +59,16 @@ def _finite(array: Any) -> bool:
 
 
 def _own(segment: Any) -> Any:
-    """``segment`` in memory of its own (a copy when it views a larger buffer that is to be freed)."""
-    return segment.copy() if getattr(segment, "base", None) is not None else segment
+    """``segment`` in memory of its own: itself when it owns its memory, or when it is a NumPy view of the
+    whole of a torch tensor's storage (the torch backend's segments, each a new tensor); otherwise a copy
+    (it views a larger or shared buffer that is to be freed or reused)."""
+    base = getattr(segment, "base", None)
+    if base is None:
+        return segment
+    storage = getattr(base, "untyped_storage", None)
+    if storage is not None and storage().nbytes() == segment.nbytes and base.data_ptr() == segment.ctypes.data:
+        return segment
+    return segment.copy()
 
 
 class StepSync:
@@ -240,8 +248,8 @@ class ShardedStep(PieceUpdate):
 
     @property
     def held_bytes(self) -> int:
-        """BYTES of the segments held in memory of their own."""
-        return sum(int(s.nbytes) for s in self.segments.values() if getattr(s, "base", None) is None)
+        """BYTES of the segments (each in memory of its own, see :func:`_own`)."""
+        return sum(int(s.nbytes) for s in self.segments.values())
 
 
 class BucketSync:

@@ -62,10 +62,8 @@ def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
     wide = dtype in (torch.float16, torch.bfloat16)
     if wide:
         acc, rest = rows[0].to(torch.float32), rows[1:]
-    elif rows.shape[0] > 1:
-        acc, rest = combine(rows[0], rows[1]), rows[2:]  # a new tensor: row 0 is not copied first
-    else:
-        acc, rest = rows[0].clone(), rows[1:]
+    else:  # a new tensor from the first two rows: row 0 is not copied first
+        acc, rest = (combine(rows[0], rows[1]), rows[2:]) if rows.shape[0] > 1 else (rows[0].clone(), rows[1:])
     for row in rest:
         combine(acc, row.to(torch.float32) if wide else row, out=acc)
     return acc.to(dtype) if wide else acc

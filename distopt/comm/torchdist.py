@@ -60,7 +60,7 @@ from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movab
 from .torch_join import join
 from .torch_shards import TorchShards
 from .torch_where import StoreWhere, post_after
-from .torch_works import wait_for_workers_at_exit
+from .torch_exit import wait_for_workers_at_exit
 from .wait import resolve_timeout
 
 if TYPE_CHECKING:

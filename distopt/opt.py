@@ -75,7 +75,9 @@ class DistOpt(SingaMethods, CollectiveMethods):
             across ranks; ValueError for a duplicate or missing name).
         zero: shard the optimizer (ZeRO, ``docs/sharding.md``): 0 none; 1 reduce-scatters each bucket so every
             rank updates (and keeps optimizer state for) 1/W of it, then all-gathers the parameters; 2 also
-            keeps only this rank's gradient segments. Dense or Half; an elementwise optimizer.
+            keeps only this rank's gradient segments; 3 also keeps only this rank's segments of the parameters,
+            gathered for each module's forward and backward (needs ``model``; ``summon_full_params()``). Dense or
+            Half; an elementwise optimizer.
         overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight
             until the next forward reaches its parameters.
         hierarchical: the all-reduce across nodes (:mod:`distopt.comm.hierarchy`): None picks it on the torch
@@ -96,8 +98,9 @@ class DistOpt(SingaMethods, CollectiveMethods):
     Raises:
         TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
         ValueError: ``buffSize < 1``, inconsistent rank arguments, or ``gradient_as_bucket_view=True`` with an array
-            optimizer or a strategy that averages parameters (partial); ``zero`` not in (0, 1, 2), with another
-            strategy or an optimizer that is not elementwise.
+            optimizer or a strategy that averages parameters (partial); ``zero`` not in (0, 1, 2, 3), with another
+            strategy or an optimizer that is not elementwise; ``zero=3`` without ``model`` or with an array
+            optimizer.
     """
 
     def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003
@@ -137,7 +140,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
         counters = self._counters
         sink, sharded_state = (torch_sharding(zero, self.comm, local, overlap_param_gather, model,
-                                              gradient_as_bucket_view, lambda: counters.steps)
+                                              gradient_as_bucket_view, counters)
                                if isinstance(local, TorchOptimizer) else (None, None))
         self._state = StepState(local, self._counters, strategies, sharded_state)
         self._collectives = Collectives(self.comm, self.engine, local)
@@ -152,6 +155,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
             follower = self.follower
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
                                         lambda: follower.join_phase(), named_parameters, follower.forward_syncs)
+            follower.sink.bind(follower)  # zero=3: each rank keeps its segments of rank 0's parameters
 
     @property
     def local_rank(self) -> int:
@@ -281,12 +285,16 @@ class DistOpt(SingaMethods, CollectiveMethods):
 
         Raises:
             ValueError: nothing to shadow (no step yet and no ``params``), a strategy without ``supports_join``
-                (every rank raises), or ``gradient_as_bucket_view=True``.
+                (every rank raises), ``gradient_as_bucket_view=True`` or ``zero=3``.
         """
         follower = self.follower
         if follower is not None and follower.views is not None:
             raise ValueError("join() is not supported with DistOpt(..., gradient_as_bucket_view=True): a joined "
                              "rank's shadow steps do not write into the bucket views")
+        if self.engine.sync.stage == 3:
+            raise ValueError("join() is not supported with zero=3: the ranks still training gather parameters in "
+                             "every forward, which a joined rank does not run; use zero=2, or even out the batches "
+                             "(distopt.DistributedSampler with drop_last)")
         forward, after = (None, None) if self.model_sync is None else self.model_sync.join_hooks()
         with self._runner.join(None if follower is None else follower.shadow, params, forward, after) as result:
             yield result

@@ -38,13 +38,20 @@ class Counters(Mapping):
             step; the ``check_finite`` vote; a sharded step's vote on its
             reduced segments being finite), not the buckets' reductions.
         gather_bytes: BYTES of parameters all-gathered after sharded
-            updates (``zero=1|2``; the buckets' sizes, as ``wire_bytes``
-            counts a reduce-scatter's input).
+            updates (``zero=1|2``), or before the forward and backward
+            passes that use them (``zero=3``); the buckets' sizes, as
+            ``wire_bytes`` counts a reduce-scatter's input.
         optimizer_state_bytes: BYTES of this rank's optimizer state after the
             last step (-1 where the local optimizer cannot tell).
         gradient_bytes: BYTES of gradient memory after the last step: what
             distopt holds (bucket buffers, reduced segments) plus the
             ``.grad`` tensors of a PyTorch optimizer's parameters.
+        parameter_bytes: BYTES of parameter memory a PyTorch optimizer's
+            parameters hold at rest after the last step (at ``zero=3``:
+            this rank's segments and the parameters left whole; -1 for an
+            array optimizer, whose arrays are the caller's).
+        gathered_bytes_peak: BYTES, at most, of full parameters gathered
+            at one time since the previous step (``zero=3``; 0 otherwise).
     """
 
     steps: int = 0
@@ -58,6 +65,8 @@ class Counters(Mapping):
     gather_bytes: int = 0
     optimizer_state_bytes: int = 0
     gradient_bytes: int = 0
+    parameter_bytes: int = 0
+    gathered_bytes_peak: int = 0
     _reported: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, n: int) -> None:

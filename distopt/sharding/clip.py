@@ -43,17 +43,17 @@ class ShardedClip:
         self._plan_key: tuple[int, ...] | None = None
         self._straddling: list[np.ndarray] = []  # per rank: (k, 3) int64 rows (tensor, start, stop)
 
-    def _positions(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[np.ndarray]:
+    def _positions(self, plan: ShardPlan, tensors: Sequence[Any], numels: Sequence[int]) -> list[np.ndarray]:
         """Every rank's straddling pieces as ``(tensor index, start, stop)`` rows (collective once per plan)."""
         key = (id(plan), *(id(t) for t in tensors))
         if key != self._plan_key:
-            mine = np.array([(p.index, p.start, p.stop) for p in plan.pieces if p.size < tensors[p.index].numel()],
+            mine = np.array([(p.index, p.start, p.stop) for p in plan.pieces if p.size < numels[p.index]],
                             dtype=np.int64).reshape(-1)
             self._straddling = [rows.reshape(-1, 3) for rows in self.comm.all_gather_v(mine)]
             self._plan_key = key
         return self._straddling
 
-    def __call__(self, plan: ShardPlan, tensors: Sequence[Any], grads: Sequence[Any | None],
+    def __call__(self, plan: ShardPlan, tensors: Sequence[Any], numels: Sequence[int], grads: Sequence[Any | None],
                  params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
         """Clip ``grads`` in place by the global ``norm_type`` norm; returns it (a 0-dim tensor, the
         gradients' dtype). Collective: every rank calls it at the same step.
@@ -61,6 +61,7 @@ class ShardedClip:
         Args:
             plan: this rank's shard plan.
             tensors: the plan's parameters, in the step's order.
+            numels: ELEMENTS of each of ``tensors`` (stage 3 frees them between uses).
             grads: per piece of ``plan`` (same order), its gradient (a 1-D tensor) or None where the
                 parameter has none this step (None on every rank alike).
             params: the parameters in the order torch's ``clip_grad_norm_`` would see them (the inner
@@ -71,7 +72,7 @@ class ShardedClip:
         import torch
 
         p = float(norm_type)
-        straddling = self._positions(plan, tensors)
+        straddling = self._positions(plan, tensors, numels)
         split = {int(i) for rows in straddling for i in rows[:, 0]}
         # one row per tensor: (its norm, how many pieces of it have a gradient); a whole piece's norm is
         # written by its rank only, so the float64 sum is exact
@@ -95,7 +96,7 @@ class ShardedClip:
                     continue
                 t = tensors[index]
                 if index not in full:
-                    full[index] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+                    full[index] = torch.empty(numels[index], dtype=t.dtype, device=t.device)
                 full[index][start:stop] = torch.from_numpy(data[at:at + stop - start]).to(t.device, t.dtype)
                 at += stop - start
         norms = {i: torch.tensor(table[i, 0], dtype=tensors[i].dtype, device=tensors[i].device)

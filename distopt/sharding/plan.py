@@ -33,8 +33,9 @@ from ..strategies.base import Strategy
 __all__ = ["Piece", "ShardPlan", "plan_shards", "piece_views", "shard_grad_views", "ZERO_STAGES", "check_stage",
            "check_sharding", "check_strategy"]
 
-#: The sharding stages: 0 (none: every rank updates everything), 1 (optimizer state), 2 (and gradients).
-ZERO_STAGES = (0, 1, 2)
+#: The sharding stages: 0 (none: every rank updates everything), 1 (optimizer state), 2 (and gradients),
+#: 3 (and parameters: :mod:`distopt.sharding.params`).
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_stage(zero: Any) -> int:
@@ -45,7 +46,7 @@ def check_stage(zero: Any) -> int:
     """
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES} (0: no sharding, 1: optimizer state, "
-                         f"2: optimizer state and gradients), got {zero!r}")
+                         f"2: optimizer state and gradients, 3: and parameters), got {zero!r}")
     return int(zero)
 
 
@@ -63,11 +64,15 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
         ValueError: ``zero`` is not a stage; the strategy does not support
             sharding; ``array_opt`` is not :class:`distopt.SGD` and does not
             declare ``elementwise = True`` (its update sees 1-D pieces of
-            arrays); ``overlap_param_gather`` with an array optimizer (it
-            needs a PyTorch model's forward hooks).
+            arrays); ``overlap_param_gather`` or ``zero=3`` with an array
+            optimizer (they need a PyTorch model's forward hooks).
     """
     zero = check_stage(zero)
     check_strategy(zero, strategy)
+    if zero == 3 and array_opt is not None:
+        raise ValueError("zero=3 frees each parameter between the forward passes that use it, which needs a "
+                         "torch.optim.Optimizer and model= (forward hooks gather the parameters); an array model "
+                         "can use zero=1 or zero=2")
     if zero and array_opt is not None:
         _check_array(array_opt, zero, overlap_param_gather)
     return zero
@@ -77,7 +82,7 @@ def check_strategy(zero: int, strategy: Strategy) -> None:
     """Refuse a strategy whose one collective per bucket cannot become a reduce-scatter under ``zero``.
 
     Raises:
-        ValueError: ``zero`` is 1 or 2 and ``strategy.supports_sharding`` is False.
+        ValueError: ``zero`` is 1, 2 or 3 and ``strategy.supports_sharding`` is False.
     """
     if zero and not strategy.supports_sharding:
         raise ValueError(f"zero={zero} needs a strategy that supports sharding (its bucket collective becomes a "

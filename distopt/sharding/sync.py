@@ -284,18 +284,20 @@ class BucketSync:
 
 
 class ShardedSync(BucketSync):
-    """A sharded stage (``zero=1|2``, ZeRO): update this rank's pieces, then all-gather.
+    """A sharded stage (``zero=1|2|3``, ZeRO): update this rank's pieces, then all-gather.
 
     Args:
         stage: 1 (optimizer state: gradients all-reduced) or 2 (and
             gradients: reduce-scattered, each bucket's buffer dropped once
-            reduced, and a step's buffers are new).
+            reduced, and a step's buffers are new); 3 reduces as 2 (its
+            parameters are gathered by the model's hooks instead,
+            :mod:`~distopt.sharding.params`).
     """
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self.settles_from_reduced = stage == 1  # stage 2: each rank sees only its own segments
-        self.settles_in_vote = stage == 2  # ... and votes on them at every step
+        self.settles_in_vote = stage >= 2  # ... and votes on them at every step
         self._pieces: tuple[Any, list[Any]] | None = None
 
     def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:
@@ -310,12 +312,12 @@ class ShardedSync(BucketSync):
 
     def buffers(self, layout_buffers: dict[int, Any]) -> dict[int, Any]:
         """Stage 2: a bucket's buffer lives only until its reduce-scatter completes (new ones per step)."""
-        return {} if self.stage == 2 else layout_buffers
+        return {} if self.stage >= 2 else layout_buffers
 
     def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
               comm: Communicator, context: Callable[[str], Any], counters: Counters) -> PieceUpdate:
         assert plan is not None
-        kind = ShardedStep if self.stage == 2 else PieceUpdate
+        kind = ShardedStep if self.stage >= 2 else PieceUpdate
         return kind(launch, plan, buckets, buffers, comm, context, counters, lambda params: self._views(plan, params))
 
 

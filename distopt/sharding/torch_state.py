@@ -114,7 +114,7 @@ class ShardedState:
         if sharded:
             return {**self._as_torch({}), "distopt_shard": {"world_size": self.comm.size, "rank": self.comm.rank,
                                                             "steps": self.steps(), "pieces": pieces}}
-        shapes = [tuple(p.shape) for p in self.shards.local.params()]
+        shapes = [self.shards.shape(p) for p in self.shards.local.params()]
         full = consolidate(gather_objects(self.comm, pieces), shapes)
         if self._pending is not None:  # restored before any step: not re-sharded yet
             full = {**self._pending, **full}
@@ -142,7 +142,7 @@ class ShardedState:
         params = self.shards.local.params()
         if isinstance(state, (list, tuple)):
             check_shards([s["distopt_shard"] for s in state])
-            shapes = [tuple(p.shape) for p in params]
+            shapes = [self.shards.shape(p) for p in params]
             full = consolidate([s["distopt_shard"]["pieces"] for s in state], shapes)
             opt.load_state_dict(self._as_torch(full) | {"param_groups": state[0]["param_groups"]})
         elif "distopt_shard" in state:
@@ -155,7 +155,7 @@ class ShardedState:
             agree(self.comm, {"the step of the sharded state loaded": mine.get("steps")},
                   call="load_state_dict(sharded state)", error=ValueError, problem=problem,
                   hint="a stale shard: every rank loads its shard of the same checkpoint")
-            shapes = [tuple(p.shape) for p in params]
+            shapes = [self.shards.shape(p) for p in params]
             opt.load_state_dict({**self._as_torch(consolidate([mine["pieces"]], shapes)),
                                  "param_groups": state["param_groups"]})
         else:
@@ -185,27 +185,36 @@ class ShardedState:
 
 
 def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_gather: bool, model: Any,
-                   bucket_view: bool, steps: Callable[[], int]) -> tuple[GradientSink, ShardedState | None]:
+                   bucket_view: bool, counters: Any) -> tuple[GradientSink, ShardedState | None]:
     """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
     state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state).
 
     Raises:
         ValueError: the optimizer is not elementwise (:func:`check_elementwise`);
-            ``zero=2`` with ``gradient_as_bucket_view`` (whose buckets keep the
-            whole gradient); ``overlap_param_gather`` without ``model=``.
+            ``zero=2|3`` with ``gradient_as_bucket_view`` (whose buckets keep
+            the whole gradient); ``overlap_param_gather`` or ``zero=3``
+            without ``model=``.
     """
     if not zero:
         return GradientSink(), None
     check_elementwise(local.optimizer, zero)
-    if zero == 2 and bucket_view:
-        raise ValueError("zero=2 frees each gradient bucket once reduced; gradient_as_bucket_view=True keeps every "
-                         "bucket as .grad memory: use zero=1 with it, or gradient_as_bucket_view=False")
+    if zero >= 2 and bucket_view:
+        raise ValueError(f"zero={zero} frees each gradient bucket once reduced; gradient_as_bucket_view=True keeps "
+                         "every bucket as .grad memory: use zero=1 with it, or gradient_as_bucket_view=False")
+    if zero == 3 and model is None:
+        raise ValueError("zero=3 gathers each module's parameters in its forward and backward, so it needs "
+                         "model=your_module (the module whose parameters the optimizer trains)")
     if overlap_param_gather and model is None:
         raise ValueError("overlap_param_gather=True waits for each bucket's gather in the forward pre-hooks of "
                          "model=; pass model=your_module")
-    shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
-    if overlap_param_gather:
+    if zero == 3:
+        from .torch_full import FullyShardedTorchStep
+
+        shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters)
+    else:
+        shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
+    if overlap_param_gather and zero < 3:
         local.handles.extend(shards.hook_model(model))
-    state = ShardedState(shards, comm, steps)
+    state = ShardedState(shards, comm, lambda: counters.steps)
     state.adopt_existing()
     return shards, state

@@ -158,12 +158,12 @@ class ShardedTorchStep(GradientSink):
         state = self.local.optimizer.state
         full = None
         if self.plan is not None:
-            shapes = [tuple(p.shape) for p in self.local.params()]
+            shapes = [self.shape(p) for p in self.local.params()]
             full = consolidate(gather_objects(self.comm, self.pieces()), shapes)
             for s in self.shards:
                 state.pop(s, None)
         group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
-        self.shards = [tensors[p.index].detach().view(-1)[p.start:p.stop] for p in plan.pieces]
+        self.shards = self.shard_tensors(plan, tensors)
         self._key, self.plan, self.tensors = key, plan, list(tensors)
         self._groups = [group_of[id(tensors[p.index])] for p in plan.pieces]
         if full:
@@ -171,6 +171,14 @@ class ShardedTorchStep(GradientSink):
         if self.restore is not None:  # a state loaded before the first sharded step
             restore, self.restore = self.restore, None
             restore()
+
+    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
+        """One shard tensor per piece of ``plan``: a 1-D view into its parameter."""
+        return [tensors[p.index].detach().view(-1)[p.start:p.stop] for p in plan.pieces]
+
+    def shape(self, tensor: Any) -> tuple[int, ...]:
+        """A parameter's shape (stage 3 knows it while the tensor is freed)."""
+        return tuple(tensor.shape)
 
     def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],
               outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:
@@ -291,7 +299,8 @@ class ShardedTorchStep(GradientSink):
         """
         if self.stage == 1 or not self.swapped or self.plan is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
-        return self._clip(self.plan, self.tensors, [s.grad for s in self.shards], params, max_norm, norm_type)
+        numels = [int(np.prod(self.shape(t))) for t in self.tensors]
+        return self._clip(self.plan, self.tensors, numels, [s.grad for s in self.shards], params, max_norm, norm_type)
 
     # ---------------------------------------------------------- checkpoints
     def pieces(self) -> list[tuple[int, int, int, Any]]:
@@ -316,8 +325,9 @@ class ShardedTorchStep(GradientSink):
             return 0
         number = {id(p): i for i, p in enumerate(params)}
         covered = {number[id(t)] for t in self.tensors}  # in the layout (on some rank)
-        self._parked = {n: {**{k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.numel() == params[n].numel()
-                               and v.dim() > 0 else v for k, v in entry.items()}, "_shape": tuple(params[n].shape)}
+        numels = [int(np.prod(self.shape(p))) for p in params]
+        self._parked = {n: {**{k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.numel() == numels[n]
+                               and v.dim() > 0 else v for k, v in entry.items()}, "_shape": self.shape(params[n])}
                         for n, entry in full_state.items() if n not in covered and entry}
         state = self.local.optimizer.state
         done = 0
@@ -325,7 +335,7 @@ class ShardedTorchStep(GradientSink):
             entry = full_state.get(number[id(self.tensors[p.index])])
             if entry is None:
                 continue
-            numel = self.tensors[p.index].numel()
+            numel = numels[number[id(self.tensors[p.index])]]
             state[s] = {k: (v.reshape(-1)[p.start:p.stop].clone() if isinstance(v, torch.Tensor) and v.numel() == numel
                             and v.dim() > 0 else v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in entry.items()}

@@ -127,6 +127,23 @@ class Engine:
         if specs != self._specs:  # the next step with these parameters needs no second broadcast
             self._specs, self._layouts = specs, {}
 
+    def known(self, params: Sequence[Any]) -> None:
+        """Take ``params`` (arrays, or stand-ins of their shapes and dtypes) as the parameter list already
+        identical on every rank, so its first step broadcasts nothing (stage 3 keeps rank 0's values
+        sharded from construction on)."""
+        self._specs, self._layouts = tuple((p.shape, p.dtype) for p in params), {}
+
+    def float_buckets(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int) -> list[Bucket]:
+        """The float buckets a step of ``strategy`` over ``params`` (shapes and dtypes) lays out, with
+        ``threshold`` in ELEMENTS as :meth:`begin` resolves it."""
+        if not strategy.reduces:
+            return []
+        reverse = strategy.supports_overlap
+        first = min(FIRST_BUCKET, self.buff_size) if reverse else None
+        buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size, reverse=reverse,
+                               first_bucket=first)
+        return [b for b in buckets if is_float(b.dtype)]
+
     def _agree(self, strategy: GradientStrategy, params: list[Any], threshold: int, joined: bool,
                grads: Sequence[Any] | None, groups: GroupSettings | None,
                shadow: bool = False) -> tuple[_Layout, Outcome | None]:
@@ -164,10 +181,7 @@ class Engine:
             self.broadcast_params(params, full)
         slot = (threshold, reverse, strategy.reduces)
         if slot not in self._layouts:
-            first = min(FIRST_BUCKET, self.buff_size) if reverse else None
-            buckets = plan_buckets([(p.shape, p.dtype) for p in params], threshold, self.buff_size,
-                                   reverse=reverse, first_bucket=first) if strategy.reduces else []
-            floats = [b for b in buckets if is_float(b.dtype)]
+            floats = self.float_buckets(strategy, params, threshold)
             shards = self.sync.plan(floats, self.comm.rank, self.comm.size)
             self._layouts[slot] = _Layout(digest([self._specs_digest[1], threshold, reverse]), floats, shards=shards)
         settled = None

@@ -52,6 +52,10 @@ class LocalOptimizer(ABC):
         """BYTES of the optimizer's state (momentum buffers, moments); -1 when it cannot tell."""
         return -1
 
+    def param_bytes(self) -> int:
+        """BYTES of parameter memory the optimizer's parameters hold; -1 when it cannot tell."""
+        return -1
+
     @abstractmethod
     def state_dict(self) -> Any:
         """The optimizer's state (None if it has none)."""

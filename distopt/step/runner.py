@@ -151,8 +151,9 @@ class StepRunner:
             self.counters.dense_bytes += sum(int(p.nbytes) for p in floats)
 
     def _memory(self) -> None:
-        """``optimizer_state_bytes`` and ``gradient_bytes`` as of now."""
+        """``optimizer_state_bytes``, ``parameter_bytes`` and ``gradient_bytes`` as of now."""
         self.counters.optimizer_state_bytes = self.local.state_bytes()
+        self.counters.parameter_bytes = self.local.param_bytes()
         held = 0
         layout = self.engine.layout
         if layout is not None:

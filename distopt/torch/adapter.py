@@ -125,6 +125,7 @@ class TorchOptimizer(LocalOptimizer):
         self._hooked: set[int] = set()
         self.handles: list[Any] = []
         self.real_groups: list[list[Any]] | None = None  # the groups' own lists while a sharded step swapped them
+        self.held_param_bytes: Callable[[], int] = lambda: 0  # parameter memory held elsewhere (stage 3)
 
     def params(self) -> list[Any]:
         """The optimizer's parameters, group by group, in a fixed order (its own, also while a sharded
@@ -179,6 +180,11 @@ class TorchOptimizer(LocalOptimizer):
 
         return sum(tensor_bytes(v) for entry in self.optimizer.state.values() for v in entry.values()
                    if isinstance(v, torch.Tensor))
+
+    def param_bytes(self) -> int:
+        """BYTES the parameters hold (a parameter freed by ``zero=3`` holds none), plus what
+        :attr:`held_param_bytes` reports (stage 3's segments)."""
+        return sum(tensor_bytes(p) for p in self.params()) + self.held_param_bytes()
 
     def grad_bytes(self) -> int:
         """BYTES of the parameters' ``.grad`` tensors (a sparse one's indices and values)."""

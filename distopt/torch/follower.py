@@ -237,6 +237,7 @@ class Follower:
 
     def _end_of_backward(self) -> None:
         syncing, self.backward = self.backward.syncing, BackwardRecord()
+        self.sink.end_of_backward()
         if syncing:
             self.reduce()
         else:
@@ -250,15 +251,25 @@ class Follower:
         strategy = self._current()
         self._tensors = self.sparse.layout(self._owned())  # sparse tensors are averaged on their own
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
-        fused = self.record.threshold is None and strategy.default_threshold == VIEW_THRESHOLD
-        threshold = self.runner.engine.buff_size if fused else self.record.threshold
+        threshold = self._threshold(strategy, self.record.threshold)
         grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
-        pipeline = self.runner.begin(strategy, [as_array(t) for t in self._tensors], threshold,
+        pipeline = self.runner.begin(strategy, self.sink.arrays(self._tensors), threshold,
                                      views=False, bucket_view=self.views is not None, grads=grads,
                                      shadow=bool(shadow))
         if self.views is not None:
             self.views.bind(pipeline, self._tensors)
         return pipeline
+
+    def _threshold(self, strategy: Strategy, asked: int | None) -> int | None:
+        """The step's threshold: a dense strategy's default (``VIEW_THRESHOLD``) fuses up to ``buffSize``."""
+        fused = asked is None and strategy.default_threshold == VIEW_THRESHOLD
+        return self.runner.engine.buff_size if fused else asked
+
+    def planned(self) -> tuple[list[Any], list[Any]]:
+        """The tensors and float buckets of the held strategy's next step (the layout stage 3 keeps)."""
+        tensors, gradients = self.sparse.layout(self._owned()), slots(self.runner.strategy).gradients
+        threshold = gradients.threshold(self._threshold(self.runner.strategy, None))
+        return tensors, self.runner.engine.float_buckets(gradients, self.sink.arrays(tensors), threshold)
 
     def drain(self, outside_backward: bool = False) -> None:
         """Complete and drop the reductions of a backward that raised (collective on every rank).

@@ -75,6 +75,13 @@ class TorchSurface:
         self.follower.synchronize()
         self.follower.sink.wait()
 
+    def summon_full_params(self, writeback: bool = True) -> Any:
+        """FSDP's context manager: every parameter of the model whole inside the block (collective on
+        entry). With ``zero=3`` the parameters are gathered (``model.parameters()`` are 0-element tensors
+        at rest) and freed after it, keeping what the block wrote with ``writeback``; at other stages they
+        are always whole. RuntimeError inside a forward pass."""
+        return self.follower.sink.full_parameters(writeback)
+
     def skip_synchronize(self) -> Any:
         """Horovod's ``with opt.skip_synchronize(): opt.step()``: the step averages nothing more."""
         return self.follower.skip_synchronize()

@@ -8,11 +8,12 @@ shard tensors, and the parameters are all-gathered after the step.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
-from .adapter import as_tensor
+from .adapter import as_array, as_tensor
 
 __all__ = ["GradientSink"]
 
@@ -54,6 +55,16 @@ class GradientSink:
             elif shadow:
                 t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
 
+    def bind(self, follower: Any) -> None:
+        """Once the follower exists and the parameters are rank 0's on every rank (nothing to do here)."""
+
+    def arrays(self, tensors: Sequence[Any]) -> list[Any]:
+        """The step's parameters as arrays (their shapes and dtypes lay out the buckets)."""
+        return [as_array(t) for t in tensors]
+
+    def end_of_backward(self) -> None:
+        """At the end of every backward pass, averaging or accumulating (nothing to do here)."""
+
     def after_step(self, applied: bool) -> None:
         """After the inner optimizer's ``step()`` (``applied``: it was not skipped)."""
 
@@ -62,6 +73,12 @@ class GradientSink:
 
     def wait(self, tensors: Sequence[Any] | None = None) -> None:
         """Complete parameter communication still in flight after a step (none here)."""
+
+    @contextmanager
+    def full_parameters(self, writeback: bool) -> Iterator[None]:  # noqa: ARG002 (parameters are always whole)
+        """Every parameter whole inside the block (here: once gathers in flight have completed)."""
+        self.wait()
+        yield
 
     def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
         """``torch.nn.utils.clip_grad_norm_`` over ``params`` (their ``.grad`` is the average on every rank)."""

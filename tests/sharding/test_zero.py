@@ -171,7 +171,7 @@ def test_bad_settings_are_refused_at_construction():
     from distopt.strategies import DGC, Partial, PowerSGD, Sparse
 
     model = cases._model()
-    for bad in (3, -1, True, "1"):
+    for bad in (4, -1, True, "1"):
         with pytest.raises(ValueError, match="zero must be one of"):
             distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), backend="single", zero=bad)
     for strategy in (Sparse(density=0.1), DGC(), PowerSGD(matrix_rank=2), Partial()):

@@ -57,6 +57,12 @@ def _optimizer(name: str, params: Any) -> Any:
     raise ValueError(name)
 
 
+def _params(model: Any, opt: Any) -> list[Any]:
+    """Copies of the model's parameters, whole at any stage (``zero=3`` frees them between steps)."""
+    with opt.summon_full_params():
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def _batch(rank: int, step: int) -> Any:
     import torch
 
@@ -102,7 +108,7 @@ def case_torch(rank: int, comm: Any, zero: int, optimizer: str, options: dict[st
         sched.step()
     if options.get("overlap_param_gather"):
         opt.synchronize()  # the last step's gathers are still in flight: no forward has waited for them
-    out = {"params": [p.detach().clone() for p in model.parameters()], "stats": dict(opt.stats), "norms": norms,
+    out = {"params": _params(model, opt), "stats": dict(opt.stats), "norms": norms,
            "state": opt.state_dict()}
     if scaler is not None:
         out["scale"] = float(scaler.get_scale())
@@ -139,7 +145,7 @@ def case_resume(rank: int, comm: Any, zero: int, blob: bytes | None, sharded_blo
         torch.save(obj, f)
         return f.getvalue()
 
-    return {"params": [p.detach().clone() for p in model.parameters()], "full": dump(full),
+    return {"params": _params(model, opt), "full": dump(full),
             "shard": None if shard is None else dump(shard)}
 
 
@@ -170,7 +176,7 @@ def case_layout_change(rank: int, comm: Any, zero: int) -> list[Any]:
         opt.zero_grad()
         (model(_batch(rank, s)).pow(2).mean() + (extra.pow(2).sum() if s >= 4 else 0)).backward()
         opt.step()
-    return [p.detach().clone() for p in [*model.parameters(), extra]]
+    return _params(model, opt) + [extra.detach().clone()]
 
 
 def case_join(rank: int, comm: Any, zero: int) -> list[Any]:
@@ -185,7 +191,7 @@ def case_join(rank: int, comm: Any, zero: int) -> list[Any]:
             opt.zero_grad()
             model(_batch(rank, s)).pow(2).mean().backward()
             opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return _params(model, opt)
 
 
 def _gpt(vocab: int = 37, width: int = 16, context: int = 8) -> Any:
@@ -259,4 +265,4 @@ def case_save_load(rank: int, comm: Any, zero: int, path: str, load: bool) -> li
         opt.step()
     if not load:
         distopt.save(path, model.state_dict(), opt)
-    return [p.detach().clone() for p in model.parameters()]
+    return _params(model, opt)

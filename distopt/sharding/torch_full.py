@@ -1,0 +1,102 @@
+"""Stage 3's gradient sink over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=3, model=m)``).
+
+Stage 2's step (:class:`~distopt.sharding.torch_step.ShardedTorchStep`):
+each bucket reduce-scattered during backward, the inner optimizer stepping
+this rank's shard tensors, ``.grad`` a placeholder whose any use raises;
+but the shard tensors are views into the parameter segments that
+:class:`~distopt.sharding.params.ParamShards` keeps (the parameters
+themselves are freed at rest), and nothing is all-gathered after the step:
+the next forward gathers what it uses.
+
+The layout is fixed at construction, from the optimizer's trainable
+parameters in the held strategy's bucket layout; a step whose layout
+differs (``requires_grad`` changed, a parameter group added, another
+strategy's threshold) raises.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from ..step.outcome import Outcome
+from ..step.pipeline import BucketPipeline
+from ..torch.adapter import TorchOptimizer
+from .params import ParamShards
+from .plan import ShardPlan, plan_shards
+from .torch_step import ShardedTorchStep
+
+__all__ = ["FullyShardedTorchStep"]
+
+
+class FullyShardedTorchStep(ShardedTorchStep):
+    """Stage 3's sink: stage 2's reduction and shard update over :class:`ParamShards`' segments.
+
+    Args:
+        comm: the communicator.
+        local: the torch local optimizer.
+        model: the ``torch.nn.Module`` whose forward and backward gather the parameters.
+        counters: the step counters.
+    """
+
+    def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any) -> None:
+        super().__init__(comm, local, 3, overlap_param_gather=False)
+        self.model, self.store = model, ParamShards(comm, counters)
+        self._checked: int | None = None
+
+    def bind(self, follower: Any) -> None:
+        """Shard the parameters in the layout the follower's steps will use, and hook the model."""
+        tensors, buckets = follower.planned()
+        engine = follower.runner.engine
+        self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context)
+        engine.known(self.arrays(tensors))
+        self.local.handles.extend(self.store.hook(self.model))
+        self.local.held_param_bytes = self.store.held_bytes
+
+    def arrays(self, tensors: Sequence[Any]) -> list[Any]:
+        """Stand-ins of the parameters' full shapes and dtypes (the parameters are freed at rest)."""
+        return [self.store.stand_in(t) for t in tensors]
+
+    def shape(self, tensor: Any) -> tuple[int, ...]:
+        """A parameter's full shape, also while it is freed."""
+        return self.store.shapes.get(id(tensor), tuple(tensor.shape))
+
+    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
+        """One shard tensor per piece of ``plan``: a 1-D view into this rank's segment of its bucket."""
+        return [self.store.segments[p.bucket][p.offset:p.offset + p.size] for p in plan.pieces]
+
+    def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],
+              outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:
+        """Free what backward left gathered, then stage 2's adoption (placeholders, shard gradients).
+
+        Raises:
+            RuntimeError: the step's layout is not the one the parameters were sharded in.
+        """
+        plan = pipeline.sync.plan
+        if self._checked != id(plan):
+            if plan != self.store.plan or [id(t) for t in tensors] != [id(t) for t in self.store.tensors]:
+                raise RuntimeError("zero=3 shards the parameters in the layout of DistOpt's construction: the "
+                                   "optimizer's trainable parameters and the held strategy's buckets; this step's "
+                                   "differs (requires_grad changed, a parameter group added, or another strategy "
+                                   "or threshold): keep them fixed, or use zero=2")
+            self._checked = id(plan)
+        self.store.free_all()
+        super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
+
+    def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)
+        """After the inner ``step()``: swap back and drop the shard gradients; nothing is gathered."""
+        self.swap_out()
+        self._step = None
+        for s in self.shards:
+            s.grad = None
+        self._drop_placeholders()
+        self.store.step_done()
+
+    def end_of_backward(self) -> None:
+        """Free the buckets a backward left gathered."""
+        self.store.end_of_backward()
+
+    @contextmanager
+    def full_parameters(self, writeback: bool) -> Iterator[None]:
+        """Every parameter whole inside the block (:meth:`ParamShards.full`)."""
+        with self.store.full(writeback):
+            yield

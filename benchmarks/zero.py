@@ -8,8 +8,8 @@ Run (a driver: it starts the torchrun jobs itself)::
 Variants, every one built from seed 0 with the same data on each rank:
 
 * ``ddp``: ``DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``;
-* ``zero0``, ``zero1``, ``zero2``: ``DistOpt(AdamW, backend="torch",
-  model=..., zero=0|1|2)``; ``zero1_overlap``: ``zero=1`` with
+* ``zero0`` ... ``zero3``: ``DistOpt(AdamW, backend="torch",
+  model=..., zero=0|1|2|3)``; ``zero1_overlap``: ``zero=1`` with
   ``overlap_param_gather=True`` (each bucket's all-gather completes when the
   next forward reaches it);
 * ``zero_torch``: DDP and torch's ``ZeroRedundancyOptimizer`` over AdamW;
@@ -55,7 +55,7 @@ import _common
 import numpy as np
 from netsim_worker import make_gpt
 
-VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero_torch", "fsdp2")
+VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero3", "zero_torch", "fsdp2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,10 +140,12 @@ def _nbytes(t: Any) -> int:
 def held_bytes(torch: Any, v: Variant) -> dict[str, int]:
     """BYTES this rank holds for ``v``: parameters, optimizer state, gradients (see the module docs)."""
     params = sum(_nbytes(p) for p in v.model.parameters())
-    if v.dopt is not None:
+    if v.dopt is not None:  # its parameter_bytes: zero=3's segments (its parameters are 0-element tensors at rest)
         stats = v.dopt.stats
-        return {"parameter_bytes": params, "optimizer_state_bytes": int(stats["optimizer_state_bytes"]),
-                "gradient_bytes": int(stats["gradient_bytes"])}
+        return {"parameter_bytes": int(stats["parameter_bytes"]),
+                "optimizer_state_bytes": int(stats["optimizer_state_bytes"]),
+                "gradient_bytes": int(stats["gradient_bytes"]),
+                "gathered_bytes_peak": int(stats["gathered_bytes_peak"])}
     inner = v.opt.optim if hasattr(v.opt, "optim") else v.opt  # ZeroRedundancyOptimizer's local optimizer
     state = sum(_nbytes(t) for s in inner.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -152,9 +154,12 @@ def held_bytes(torch: Any, v: Variant) -> dict[str, int]:
 
 
 def full_params(torch: Any, v: Variant) -> list[Any]:
-    """Every parameter, whole (FSDP2's gathered), in ``model.parameters()`` order; ``model.state_dict()``
-    first completes the all-gathers that ``overlap_param_gather`` leaves in flight after ``step()``."""
-    v.model.state_dict()
+    """Every parameter, whole (FSDP2's gathered, distopt's inside ``summon_full_params``: it completes the
+    all-gathers that ``overlap_param_gather`` leaves in flight, and gathers ``zero=3``'s segments), in
+    ``model.parameters()`` order."""
+    if v.dopt is not None:
+        with v.dopt.summon_full_params():
+            return [p.detach().clone() for p in v.model.parameters()]
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in v.model.parameters()]
 
 

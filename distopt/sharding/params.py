@@ -291,12 +291,22 @@ class ParamShards:
 
         walk(self._model, self._model)
         self._units = {k: tuple(sorted(v)) for k, v in units.items()}
-        order = [m for m in self._fired if self._units.get(id(m))]
-        for before, after in zip(order, order[1:]):
-            self._next[id(before)] = self._units[id(after)]
-            self._prev[id(after)] = self._units[id(before)]
+        order = [self._units[id(m)] for m in self._fired if self._units.get(id(m))]
+        for i, m in enumerate(m for m in self._fired if self._units.get(id(m))):
+            self._next[id(m)] = self._ahead(order[i], order[i + 1:])
+            self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
         for m in self._fired:
             self._units.setdefault(id(m), ())
+
+    @staticmethod
+    def _ahead(unit: tuple[int, ...], later: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        """The prefetch of a module whose unit is ``unit``: the first of the ``later`` units (in the pass's
+        order) that needs a bucket ``unit`` does not, less the buckets of ``unit``."""
+        for other in later:
+            new = tuple(b for b in other if b not in unit)
+            if new:
+                return new
+        return ()
 
     def _pre_forward(self, module: Any, args: Any) -> None:  # noqa: ARG002
         if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
@@ -313,11 +323,13 @@ class ParamShards:
         if not self._stack:
             self._done = [set() for _ in self.buckets]
         need, ahead = self._unit(module), self._next.get(id(module), ())
+        self._stack.append(module)
+        if not need:  # a container: its children gather what they use
+            return
         keep = {*need, *ahead, *(b for m in self._stack for b in self._unit(m))}
         for b in range(len(self.buckets)):
             if self._state[b] != _FREE and b not in keep:
                 self._free(b)
-        self._stack.append(module)
         self._last = module
         for b in (*need, *ahead):
             self._start(b)

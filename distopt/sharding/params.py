@@ -14,43 +14,28 @@ ZeRO stage 3 (Rajbhandari, Rasley, Ruwase & He, SC 2020) and PyTorch FSDP
   buffer; **freeing** it resizes that storage to 0 bytes and makes the
   parameters 0-element tensors again. Autograd's saved views of a
   parameter share the buffer's storage, so the values that backward reads
-  are those of the re-gather before it;
-* **units**: the first forward pass gathers everything and records which
-  modules' forward ran. A module's unit is the buckets of the parameters of
-  its subtree that are not in a descendant that ran (``nn.MultiheadAttention``
-  reads its ``out_proj`` without calling it); a shared parameter (a tied
-  head) is in the unit of every module that owns it;
-* **forward**: a module's pre-hook frees the gathered buckets that no
-  running module needs, gathers its unit and starts the next unit's gather
-  (prefetch). When the outermost module returns, everything is freed but,
-  with gradients on, the last unit's buckets, which backward needs first;
-* **backward**: a hook on each module's outputs (``register_multi_grad_hook``)
-  gathers the module's unit before its backward runs and prefetches the
-  unit that ran before it. A bucket is freed once each of its parameters
-  has its gradient (post-accumulate-grad hooks), as FSDP frees after a
-  unit's backward; everything at the end of backward. A re-computation
-  during backward (activation checkpointing) gathers without freeing.
+  are those of the re-gather before it.
 
-A tensor that merely views a parameter but takes no gradient through it
-(``x @ w.detach()``), read in backward after every parameter of its bucket
-has its gradient, would read freed memory; FSDP has the same rule.
+The model hooks that decide when a bucket is gathered and freed are
+:mod:`~distopt.sharding.param_hooks`.
 """
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core._array import xp_of
 from ..core.buckets import Bucket
+from ..errors import CollectiveMismatchError
 from ..torch.adapter import as_array
 from .plan import ShardPlan
 
 __all__ = ["ParamShards", "raw_array"]
 
 _FREE, _PENDING, _FULL = 0, 1, 2
+_PHASES = ("forward", "backward", "summon_full_params/state_dict")
 
 
 def raw_array(tensor: Any) -> Any:
@@ -67,14 +52,9 @@ def raw_array(tensor: Any) -> Any:
     return np.frombuffer((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()), dtype=dtype)
 
 
-def _in_backward() -> bool:
-    import torch
-
-    return torch._C._current_graph_task_id() != -1
-
-
 class ParamShards:
-    """A stage-3 model's parameter segments, their gathers and frees, and the model hooks driving them.
+    """A stage-3 model's parameter segments, their gathers and frees (driven by
+    :class:`~distopt.sharding.param_hooks.ModuleHooks`).
 
     Args:
         comm: the communicator (``all_gather_into``; ``all_gather_into_async`` where it has one).
@@ -85,6 +65,8 @@ class ParamShards:
         shapes: ``id(parameter)`` -> its full shape.
         segments: per bucket, this rank's segment (a 1-D tensor).
         plan: the layout's :class:`~distopt.sharding.plan.ShardPlan`.
+        bucket_of: ``id(parameter)`` -> its bucket.
+        names: the model's module names by position (``model.named_modules()`` order), for errors.
     """
 
     def __init__(self, comm: Any, counters: Any) -> None:
@@ -97,19 +79,11 @@ class ParamShards:
         self._flats: list[Any] = []
         self._state: list[int] = []
         self._pending: dict[int, Any] = {}
-        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
-        self._done: list[set[int]] = []  # per bucket: the parameters with their gradient in this backward
+        self.bucket_of: dict[int, int] = {}
+        self.names: list[str] = []
         self._context: Callable[[str], Any] | None = None
         self._gathered = 0
         self._peak = 0  # the most BYTES gathered at one time since the last step
-        self._model: Any = None
-        self._units: dict[int, tuple[int, ...]] | None = None  # id(module) -> its unit's buckets; None: not learnt
-        self._fired: list[Any] = []
-        self._next: dict[int, tuple[int, ...]] = {}
-        self._prev: dict[int, tuple[int, ...]] = {}
-        self._stack: list[Any] = []
-        self._last: Any = None
-        self._depth = 0  # nesting of state_dict / load_state_dict calls
 
     # ------------------------------------------------------------ segments
     def shard(self, tensors: Sequence[Any], buckets: Sequence[Bucket], plan: ShardPlan,
@@ -126,14 +100,13 @@ class ParamShards:
             with torch.no_grad():
                 for s in bucket.slots:
                     flat[s.offset:s.offset + s.size].copy_(self.tensors[s.index].detach().reshape(-1))
-                    self._bucket_of[id(self.tensors[s.index])] = b
+                    self.bucket_of[id(self.tensors[s.index])] = b
             lo = plan.lows[b]
             self.segments.append(flat[lo:lo + plan.counts[b][rank]].clone())
             self._flats.append(flat)
             self._state.append(_FULL)
             self._gathered += flat.nbytes
             self._views(b)
-        self._done = [set() for _ in self.buckets]
         self.free_all()
 
     def step_done(self) -> None:
@@ -187,7 +160,7 @@ class ParamShards:
         for s in self.buckets[b].slots:
             self.tensors[s.index].data = flat[s.offset:s.offset + s.size].view(s.shape)
 
-    def _free(self, b: int) -> None:
+    def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
         import torch
 
@@ -203,18 +176,62 @@ class ParamShards:
         self._gathered -= flat.nbytes
         self._state[b] = _FREE
 
+    def _agree(self, phase: int, where: int, buckets: Sequence[int]) -> None:
+        """Check, in one small all-gather, that every rank is about to gather the same buckets for the same
+        module (position ``where`` in :attr:`names`, -1: none) and pass (a module run on some ranks only
+        would pair different collectives).
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets.
+        """
+        mine = np.array([phase, where, len(buckets), min(buckets), max(buckets),
+                         sum((b + 1) * (b + 7) for b in buckets)], dtype=np.int64)
+        with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
+            everyone = self.comm.all_gather(mine)
+        if (everyone == everyone[0]).all():
+            return
+        names = dict(enumerate(n or "the model" for n in self.names))
+        seen = "; ".join(f"rank {r}: {_PHASES[int(row[0])]} of module {names.get(int(row[1]), 'none')!r}, "
+                         f"{int(row[2])} bucket(s) from {int(row[3])}" for r, row in enumerate(everyone))
+        raise CollectiveMismatchError(f"zero=3: the ranks gather different parameters ({seen}): a module's "
+                                      "forward or backward ran on some ranks only; every rank must run the same "
+                                      "modules in the same order")
+
+    def gather(self, phase: int, where: int, need: Sequence[int], ahead: Sequence[int] = ()) -> None:
+        """Start the gathers of ``need`` and ``ahead`` that are free (agreed across ranks first,
+        :meth:`_agree`), then complete those of ``need`` (collective).
+
+        Args:
+            phase: 0 forward, 1 backward, 2 everything (``summon_full_params``, ``state_dict``).
+            where: the module's position in :attr:`names` (-1: none).
+            need: buckets needed whole now.
+            ahead: buckets to prefetch.
+        """
+        starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] == _FREE]
+        if starting:
+            self._agree(phase, where, starting)
+            for b in starting:
+                self._start(b)
+        for b in need:
+            self._finish(b)
+
     def gather_all(self) -> None:
         """Gather every bucket (collective)."""
-        for b in range(len(self.buckets)):
-            self._start(b)
-        for b in range(len(self.buckets)):
-            self._finish(b)
+        self.gather(2, -1, range(len(self.buckets)))
 
     def free_all(self, keep: Sequence[int] = ()) -> None:
         """Free every bucket but ``keep``."""
         for b in range(len(self.buckets)):
             if b not in keep:
-                self._free(b)
+                self.free(b)
+
+    def gathered(self, b: int) -> bool:
+        """Whether bucket ``b`` is whole now."""
+        return self._state[b] == _FULL
+
+    def storages(self) -> set[int]:
+        """The data pointers of the buckets' flat buffers (a tensor sharing one views a gathered parameter)."""
+        return {f.untyped_storage().data_ptr() for f in self._flats}
 
     def write_back(self) -> None:
         """Copy every gathered bucket's segment of this rank back into :attr:`segments` (the model's
@@ -224,186 +241,6 @@ class ParamShards:
             if self._state[b] == _FULL:
                 lo = self.plan.lows[b]  # type: ignore[union-attr]
                 self.segments[b].copy_(flat.detach()[lo:lo + self.plan.counts[b][rank]])  # type: ignore[union-attr]
-
-    @contextmanager
-    def full(self, writeback: bool) -> Iterator[None]:
-        """Every parameter whole inside the block (collective on entry); with ``writeback``, what the block
-        wrote into them is kept.
-
-        Raises:
-            RuntimeError: called inside a forward pass.
-        """
-        if self._stack:
-            raise RuntimeError("summon_full_params() inside a forward pass of the model: call it between steps")
-        self.gather_all()
-        try:
-            yield
-        finally:
-            if writeback:
-                import torch
-
-                with torch.no_grad():
-                    self.write_back()
-            self.free_all()
-
-    # --------------------------------------------------------------- hooks
-    def hook(self, model: Any) -> list[Any]:
-        """Forward pre- and post-hooks on every module of ``model`` holding a parameter of the layout,
-        post-accumulate-grad hooks on the layout's parameters, and state-dict hooks (``state_dict``
-        returns whole tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
-        self._model = model
-        handles = []
-        for module in model.modules():
-            if any(id(p) in self._bucket_of for p in module.parameters()):
-                handles.append(module.register_forward_pre_hook(self._pre_forward))
-                handles.append(module.register_forward_hook(self._post_forward, always_call=True))
-            handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
-            handles.append(module.register_state_dict_post_hook(  # torch marks the hook: a function, not a method
-                lambda *args: self._after_state_dict(*args)))
-            handles.append(module.register_load_state_dict_pre_hook(self._before_load))
-            handles.append(module.register_load_state_dict_post_hook(self._after_load))
-        for t in self.tensors:
-            handles.append(t.register_post_accumulate_grad_hook(self._grad_done))
-        return handles
-
-    def _unit(self, module: Any) -> tuple[int, ...]:
-        """The buckets ``module`` needs whole while it runs."""
-        units = self._units
-        if units is not None and id(module) in units:
-            return units[id(module)]
-        unit = tuple(sorted({self._bucket_of[id(p)] for p in module.parameters() if id(p) in self._bucket_of}))
-        if units is not None:
-            units[id(module)] = unit  # a module that did not run in the first forward: its whole subtree
-        return unit
-
-    def _learn(self) -> None:
-        """Units and the prefetch order from the first forward's modules (see the module docs)."""
-        fired = {id(m) for m in self._fired}
-        units: dict[int, set[int]] = {}
-
-        def walk(module: Any, owner: Any) -> None:
-            owner = module if id(module) in fired else owner
-            for p in module.parameters(recurse=False):
-                if id(p) in self._bucket_of:
-                    units.setdefault(id(owner), set()).add(self._bucket_of[id(p)])
-            for child in module.children():
-                walk(child, owner)
-
-        walk(self._model, self._model)
-        self._units = {k: tuple(sorted(v)) for k, v in units.items()}
-        order = [self._units[id(m)] for m in self._fired if self._units.get(id(m))]
-        for i, m in enumerate(m for m in self._fired if self._units.get(id(m))):
-            self._next[id(m)] = self._ahead(order[i], order[i + 1:])
-            self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
-        for m in self._fired:
-            self._units.setdefault(id(m), ())
-
-    @staticmethod
-    def _ahead(unit: tuple[int, ...], later: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-        """The prefetch of a module whose unit is ``unit``: the first of the ``later`` units (in the pass's
-        order) that needs a bucket ``unit`` does not, less the buckets of ``unit``."""
-        for other in later:
-            new = tuple(b for b in other if b not in unit)
-            if new:
-                return new
-        return ()
-
-    def _pre_forward(self, module: Any, args: Any) -> None:  # noqa: ARG002
-        if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
-            for b in self._unit(module):
-                self._finish(b)
-            return
-        if self._units is None:  # the first forward: everything whole, and which modules run
-            if not self._stack:
-                self.gather_all()
-            if all(m is not module for m in self._fired):
-                self._fired.append(module)
-            self._stack.append(module)
-            return
-        if not self._stack:
-            self._done = [set() for _ in self.buckets]
-        need, ahead = self._unit(module), self._next.get(id(module), ())
-        self._stack.append(module)
-        if not need:  # a container: its children gather what they use
-            return
-        keep = {*need, *ahead, *(b for m in self._stack for b in self._unit(m))}
-        for b in range(len(self.buckets)):
-            if self._state[b] != _FREE and b not in keep:
-                self._free(b)
-        self._last = module
-        for b in (*need, *ahead):
-            self._start(b)
-        for b in need:
-            self._finish(b)
-
-    def _post_forward(self, module: Any, args: Any, output: Any) -> None:  # noqa: ARG002
-        import torch
-
-        if _in_backward():
-            return
-        if module in self._stack:
-            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(module)]
-        grad = torch.is_grad_enabled()
-        if grad and (self._units is None or self._unit(module)):
-            outputs = [t for t in torch.utils._pytree.tree_leaves(output)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads, module=module: self._pre_backward(module), mode="any")
-        if self._stack:
-            return
-        if self._units is None:
-            self._learn()
-            if grad:  # the first backward: everything stays whole until its gradients arrive
-                return
-        self.free_all(keep=self._unit(self._last) if grad and self._last is not None else ())
-
-    def _pre_backward(self, module: Any) -> None:
-        need = self._unit(module)
-        for b in (*need, *self._prev.get(id(module), ())):
-            self._start(b)
-        for b in need:
-            self._finish(b)
-
-    def _grad_done(self, tensor: Any) -> None:
-        b = self._bucket_of[id(tensor)]
-        done = self._done[b]
-        done.add(id(tensor))
-        if len(done) == len(self.buckets[b].slots) and not self._stack:
-            self._free(b)
-
-    def end_of_backward(self) -> None:
-        """Free everything a backward gathered."""
-        self._done = [set() for _ in self.buckets]
-        if not self._stack:
-            self.free_all()
-
-    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:  # noqa: ARG002
-        if self._depth == 0:
-            self.gather_all()
-        self._depth += 1
-
-    def _after_state_dict(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:  # noqa: ARG002
-        self._depth -= 1
-        if self._depth:
-            return
-        storages = {f.untyped_storage().data_ptr() for f in self._flats}
-        for key, value in state_dict.items():
-            if hasattr(value, "untyped_storage") and value.untyped_storage().data_ptr() in storages:
-                state_dict[key] = value.detach().clone()
-        self.free_all()
-
-    def _before_load(self, module: Any, *args: Any) -> None:  # noqa: ARG002
-        self._before_state_dict(module, "", False)
-
-    def _after_load(self, module: Any, incompatible_keys: Any) -> None:  # noqa: ARG002
-        self._depth -= 1
-        if self._depth == 0:
-            import torch
-
-            with torch.no_grad():
-                self.write_back()
-            self.free_all()
 
     def stand_in(self, tensor: Any) -> Any:
         """A read-only array of ``tensor``'s full shape and dtype holding one element (the engine lays

@@ -21,11 +21,19 @@ from typing import Any, Iterator, Sequence
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from ..torch.adapter import TorchOptimizer
+from .param_hooks import ModuleHooks
 from .params import ParamShards
 from .plan import ShardPlan, plan_shards
 from .torch_step import ShardedTorchStep
 
 __all__ = ["FullyShardedTorchStep"]
+
+
+def _changed() -> RuntimeError:
+    return RuntimeError("zero=3 shards the parameters in the layout of DistOpt's construction (the optimizer's "
+                        "trainable parameters in the held strategy's buckets); this step's differs (requires_grad "
+                        "changed, a parameter group added, or another strategy or threshold): keep them fixed, or "
+                        "use zero=2")
 
 
 class FullyShardedTorchStep(ShardedTorchStep):
@@ -41,6 +49,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
     def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any) -> None:
         super().__init__(comm, local, 3, overlap_param_gather=False)
         self.model, self.store = model, ParamShards(comm, counters)
+        self.hooks: ModuleHooks | None = None
         self._checked: int | None = None
 
     def bind(self, follower: Any) -> None:
@@ -49,11 +58,18 @@ class FullyShardedTorchStep(ShardedTorchStep):
         engine = follower.runner.engine
         self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context)
         engine.known(self.arrays(tensors))
-        self.local.handles.extend(self.store.hook(self.model))
+        self.hooks = ModuleHooks(self.store)
+        self.local.handles.extend(self.hooks.hook(self.model))
         self.local.held_param_bytes = self.store.held_bytes
 
     def arrays(self, tensors: Sequence[Any]) -> list[Any]:
-        """Stand-ins of the parameters' full shapes and dtypes (the parameters are freed at rest)."""
+        """Stand-ins of the parameters' full shapes and dtypes (the parameters are freed at rest).
+
+        Raises:
+            RuntimeError: ``tensors`` are not the parameters sharded at construction.
+        """
+        if self.store.plan is not None and [id(t) for t in tensors] != [id(t) for t in self.store.tensors]:
+            raise _changed()
         return [self.store.stand_in(t) for t in tensors]
 
     def shape(self, tensor: Any) -> tuple[int, ...]:
@@ -73,11 +89,8 @@ class FullyShardedTorchStep(ShardedTorchStep):
         """
         plan = pipeline.sync.plan
         if self._checked != id(plan):
-            if plan != self.store.plan or [id(t) for t in tensors] != [id(t) for t in self.store.tensors]:
-                raise RuntimeError("zero=3 shards the parameters in the layout of DistOpt's construction: the "
-                                   "optimizer's trainable parameters and the held strategy's buckets; this step's "
-                                   "differs (requires_grad changed, a parameter group added, or another strategy "
-                                   "or threshold): keep them fixed, or use zero=2")
+            if plan != self.store.plan:
+                raise _changed()
             self._checked = id(plan)
         self.store.free_all()
         super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
@@ -93,10 +106,12 @@ class FullyShardedTorchStep(ShardedTorchStep):
 
     def end_of_backward(self) -> None:
         """Free the buckets a backward left gathered."""
-        self.store.end_of_backward()
+        if self.hooks is not None:
+            self.hooks.end_of_backward()
 
     @contextmanager
     def full_parameters(self, writeback: bool) -> Iterator[None]:
-        """Every parameter whole inside the block (:meth:`ParamShards.full`)."""
-        with self.store.full(writeback):
+        """Every parameter whole inside the block (:meth:`ModuleHooks.full`)."""
+        assert self.hooks is not None
+        with self.hooks.full(writeback):
             yield

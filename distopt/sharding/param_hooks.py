@@ -1,0 +1,243 @@
+"""Stage 3's model hooks: which buckets a module needs, and when they are gathered and freed.
+
+Over :class:`~distopt.sharding.params.ParamShards` (the segments, gathers
+and frees), as PyTorch FSDP's pre- and post-forward and pre- and
+post-backward hooks (Zhao et al., VLDB 2023):
+
+* **units**: the first forward pass gathers everything and records which
+  modules' forward ran. A module's unit is the buckets of the parameters of
+  its subtree that are not in a descendant that ran (``nn.MultiheadAttention``
+  reads its ``out_proj`` without calling it); a shared parameter (a tied
+  head) is in the unit of every module that owns it. A module that did not
+  run then needs its whole subtree when it does;
+* **forward**: a module's pre-hook frees the gathered buckets that no
+  running module needs, gathers its unit and starts the gather of the next
+  unit (in the first forward's order) that needs a bucket not yet gathered
+  (prefetch). A module with an empty unit (a container) does nothing. When
+  the outermost module returns, everything is freed but, with gradients
+  on, the last unit's buckets, which backward needs first;
+* **backward**: a hook on each module's outputs (``register_multi_grad_hook``)
+  gathers the module's unit before its backward runs and prefetches the one
+  before it. A bucket is freed once each of its parameters has its gradient
+  (post-accumulate-grad hooks), as FSDP frees after a unit's backward;
+  everything at the end of backward. A re-computation during backward
+  (activation checkpointing) gathers without freeing;
+* ``state_dict()`` gathers everything and returns copies; ``load_state_dict()``
+  gathers, loads and keeps what was loaded in the segments.
+
+A parameter used outside the forward of every module whose subtree holds
+it is a 0-element tensor then, and torch raises a shape error. A tensor
+that views a parameter but takes no gradient through it (``x @ w.detach()``),
+read in backward after every parameter of its bucket has its gradient,
+would read freed memory; FSDP has the same rule.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from .params import ParamShards
+
+__all__ = ["ModuleHooks"]
+
+
+def _in_backward() -> bool:
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+class ModuleHooks:
+    """The hooks that gather and free a stage-3 model's parameters (see the module docs).
+
+    Args:
+        store: the :class:`~distopt.sharding.params.ParamShards` of the model's layout.
+    """
+
+    def __init__(self, store: ParamShards) -> None:
+        self.store = store
+        self._model: Any = None
+        self._positions: dict[int, int] = {}
+        self._done: list[set[int]] = [set() for _ in store.buckets]  # per bucket: parameters with their gradient
+        self._units: dict[int, tuple[int, ...]] | None = None  # id(module) -> its unit's buckets; None: not learnt
+        self._fired: list[Any] = []
+        self._next: dict[int, tuple[int, ...]] = {}
+        self._prev: dict[int, tuple[int, ...]] = {}
+        self._stack: list[Any] = []
+        self._last: Any = None
+        self._depth = 0  # nesting of state_dict / load_state_dict calls
+
+    def _position(self, module: Any) -> int:
+        return self._positions.get(id(module), -1)
+
+    @contextmanager
+    def full(self, writeback: bool) -> Iterator[None]:
+        """Every parameter whole inside the block (collective on entry); with ``writeback``, what the block
+        wrote into them is kept.
+
+        Raises:
+            RuntimeError: called inside a forward pass.
+        """
+        if self._stack:
+            raise RuntimeError("summon_full_params() inside a forward pass of the model: call it between steps")
+        self.store.gather_all()
+        try:
+            yield
+        finally:
+            if writeback:
+                import torch
+
+                with torch.no_grad():
+                    self.store.write_back()
+            self.store.free_all()
+
+    def hook(self, model: Any) -> list[Any]:
+        """Forward pre- and post-hooks on every module of ``model`` holding a parameter of the layout,
+        post-accumulate-grad hooks on the layout's parameters, and state-dict hooks (``state_dict``
+        returns whole tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
+        self._model = model
+        self.store.names = [name for name, _ in model.named_modules()]
+        self._positions = {id(m): i for i, m in enumerate(model.modules())}
+        handles = []
+        for module in model.modules():
+            if any(id(p) in self.store.bucket_of for p in module.parameters()):
+                handles.append(module.register_forward_pre_hook(self._pre_forward))
+                handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+            handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            handles.append(module.register_state_dict_post_hook(  # torch marks the hook: a function, not a method
+                lambda *args: self._after_state_dict(*args)))
+            handles.append(module.register_load_state_dict_pre_hook(self._before_load))
+            handles.append(module.register_load_state_dict_post_hook(self._after_load))
+        for t in self.store.tensors:
+            handles.append(t.register_post_accumulate_grad_hook(self._grad_done))
+        return handles
+
+    def _unit(self, module: Any) -> tuple[int, ...]:
+        """The buckets ``module`` needs whole while it runs."""
+        units = self._units
+        if units is not None and id(module) in units:
+            return units[id(module)]
+        bucket_of = self.store.bucket_of
+        unit = tuple(sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of}))
+        if units is not None:
+            units[id(module)] = unit  # a module that did not run in the first forward: its whole subtree
+        return unit
+
+    def _learn(self) -> None:
+        """Units and the prefetch order from the first forward's modules (see the module docs)."""
+        fired = {id(m) for m in self._fired}
+        units: dict[int, set[int]] = {}
+
+        def walk(module: Any, owner: Any) -> None:
+            owner = module if id(module) in fired else owner
+            for p in module.parameters(recurse=False):
+                if id(p) in self.store.bucket_of:
+                    units.setdefault(id(owner), set()).add(self.store.bucket_of[id(p)])
+            for child in module.children():
+                walk(child, owner)
+
+        walk(self._model, self._model)
+        self._units = {k: tuple(sorted(v)) for k, v in units.items()}
+        order = [self._units[id(m)] for m in self._fired if self._units.get(id(m))]
+        for i, m in enumerate(m for m in self._fired if self._units.get(id(m))):
+            self._next[id(m)] = self._ahead(order[i], order[i + 1:])
+            self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
+        for m in self._fired:
+            self._units.setdefault(id(m), ())
+
+    @staticmethod
+    def _ahead(unit: tuple[int, ...], later: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        """The prefetch of a module whose unit is ``unit``: the first of the ``later`` units (in the pass's
+        order) that needs a bucket ``unit`` does not, less the buckets of ``unit``."""
+        for other in later:
+            new = tuple(b for b in other if b not in unit)
+            if new:
+                return new
+        return ()
+
+    def _pre_forward(self, module: Any, args: Any) -> None:  # noqa: ARG002
+        if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
+            self.store.gather(1, self._position(module), self._unit(module))
+            return
+        if self._units is None:  # the first forward: everything whole, and which modules run
+            if not self._stack:
+                self.store.gather_all()
+            if all(m is not module for m in self._fired):
+                self._fired.append(module)
+            self._stack.append(module)
+            return
+        if not self._stack:
+            self._done = [set() for _ in self.store.buckets]
+        need, ahead = self._unit(module), self._next.get(id(module), ())
+        self._stack.append(module)
+        if not need:  # a container: its children gather what they use
+            return
+        keep = {*need, *ahead, *(b for m in self._stack for b in self._unit(m))}
+        self.store.free_all(keep=keep)
+        self._last = module
+        self.store.gather(0, self._position(module), need, ahead)
+
+    def _post_forward(self, module: Any, args: Any, output: Any) -> None:  # noqa: ARG002
+        import torch
+
+        if _in_backward():
+            return
+        if module in self._stack:
+            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(module)]
+        grad = torch.is_grad_enabled()
+        if grad and (self._units is None or self._unit(module)):
+            outputs = [t for t in torch.utils._pytree.tree_leaves(output)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads, module=module: self._pre_backward(module), mode="any")
+        if self._stack:
+            return
+        if self._units is None:
+            self._learn()
+            if grad:  # the first backward: everything stays whole until its gradients arrive
+                return
+        self.store.free_all(keep=self._unit(self._last) if grad and self._last is not None else ())
+
+    def _pre_backward(self, module: Any) -> None:
+        self.store.gather(1, self._position(module), self._unit(module), self._prev.get(id(module), ()))
+
+    def _grad_done(self, tensor: Any) -> None:
+        b = self.store.bucket_of[id(tensor)]
+        done = self._done[b]
+        done.add(id(tensor))
+        if len(done) == len(self.store.buckets[b].slots) and not self._stack:
+            self.store.free(b)
+
+    def end_of_backward(self) -> None:
+        """Free everything a backward gathered."""
+        self._done = [set() for _ in self.store.buckets]
+        if not self._stack:
+            self.store.free_all()
+
+    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:  # noqa: ARG002
+        if self._depth == 0:
+            self.store.gather_all()
+        self._depth += 1
+
+    def _after_state_dict(self, module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:  # noqa: ARG002
+        self._depth -= 1
+        if self._depth:
+            return
+        storages = self.store.storages()
+        for key, value in state_dict.items():
+            if hasattr(value, "untyped_storage") and value.untyped_storage().data_ptr() in storages:
+                state_dict[key] = value.detach().clone()
+        self.store.free_all()
+
+    def _before_load(self, module: Any, *args: Any) -> None:  # noqa: ARG002
+        self._before_state_dict(module, "", False)
+
+    def _after_load(self, module: Any, incompatible_keys: Any) -> None:  # noqa: ARG002
+        self._depth -= 1
+        if self._depth == 0:
+            import torch
+
+            with torch.no_grad():
+                self.store.write_back()
+            self.store.free_all()

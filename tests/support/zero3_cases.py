@@ -1,0 +1,166 @@
+"""Cases of fully sharded parameters (``DistOpt(zero=3)``), run by ``tests/sharding/test_zero3.py`` on any backend.
+
+Each case is ``fn(rank, comm, *args)`` (see :mod:`tests.support.backends`) and
+returns plain data. The models and batches are those of
+:mod:`tests.support.zero_cases`, so a ``zero=3`` run compares with ``zero=0``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import distopt
+from tests.support.zero_cases import _batch, _gpt, _model, _optimizer, _params
+
+
+def _held(opt: Any) -> dict[str, int]:
+    stats = opt.stats
+    return {k: int(stats[k]) for k in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
+                                       "gathered_bytes_peak")}
+
+
+def case_memory(rank: int, comm: Any, zero: int, steps: int = 3) -> dict[str, Any]:
+    """The GPT-style model with AdamW, buckets of 600 elements: what a rank holds at rest after each step,
+    the largest bucket (BYTES) and the parameters' elements; the model's parameter tensors' own bytes."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    model = _gpt()
+    opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), lr=3e-3), comm=comm, zero=zero, buffSize=600,
+                          model=model)
+    held = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(1000 * s + rank)
+        tokens = torch.randint(0, 37, (4, 9), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 37), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        held.append(_held(opt))
+    with torch.no_grad():
+        model(torch.zeros(2, 8, dtype=torch.long))  # an evaluation: gathered, then freed again
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    bucket = max(b.size for b in opt.engine.layout.buckets) * 4
+    elements = sum(b.size for b in opt.engine.layout.buckets)
+    return {"held": held, "bucket_bytes": bucket, "elements": elements, "own_after_eval": own,
+            "params": _params(model, opt)}
+
+
+def case_checkpointed(rank: int, comm: Any, zero: int, reentrant: bool) -> list[Any]:
+    """SGD with momentum; the middle of the MLP under ``torch.utils.checkpoint`` (its forward runs again in
+    backward), a ``torch.no_grad()`` evaluation and a second forward before each backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=zero, buffSize=40, model=model)
+    first, middle = model[0], torch.nn.Sequential(model[1], model[2])
+    for s in range(3):
+        opt.zero_grad()
+        with torch.no_grad():
+            model(_batch(rank, s + 20))
+        x = _batch(rank, s)
+        h = checkpoint(middle, first(x), use_reentrant=reentrant)
+        loss = model[3](h).pow(2).mean() + model(x).pow(2).mean()  # a second forward of every module
+        loss.backward()
+        opt.step()
+    return _params(model, opt)
+
+
+def case_frozen(rank: int, comm: Any, zero: int) -> list[Any]:
+    """Adam; the first layer frozen from the start (it stays whole at ``zero=3``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = distopt.DistOpt(_optimizer("adam", model.parameters()), comm=comm, zero=zero, buffSize=40, model=model)
+    for s in range(3):
+        opt.zero_grad()
+        model(_batch(rank, s)).pow(2).mean().backward()
+        opt.step()
+    return _params(model, opt) + [tuple(model[0].weight.shape)]
+
+
+def case_state_dict(rank: int, comm: Any, zero: int) -> dict[str, Any]:
+    """``model.state_dict()`` after 2 Adam steps; then a loaded state (every weight halved) and 1 step."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(_optimizer("adam", model.parameters()), comm=comm, zero=zero, buffSize=40, model=model)
+    for s in range(2):
+        opt.zero_grad()
+        model(_batch(rank, s)).pow(2).mean().backward()
+        opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # zero=0's values are the live parameters
+    model.load_state_dict({k: v * 0.5 for k, v in saved.items()})
+    opt.zero_grad()
+    model(_batch(rank, 2)).pow(2).mean().backward()
+    opt.step()
+    return {"saved": saved, "params": _params(model, opt)}
+
+
+def case_one_rank_forward(rank: int, comm: Any) -> str:
+    """Rank 0 alone runs the head once more between two steps: the next gather raises on every rank."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=3, buffSize=40, model=model)
+    try:
+        for s in range(3):
+            opt.zero_grad()
+            model(_batch(rank, s)).pow(2).mean().backward()
+            opt.step()
+            if rank == 0 and s == 1:
+                with torch.no_grad():
+                    model[2](torch.zeros(1, 13))
+    except distopt.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def case_errors(rank: int, comm: Any) -> dict[str, str]:
+    """What a misuse raises: a layout change, ``join()``, a parameter used outside its module's forward,
+    ``summon_full_params`` inside a forward."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=3, buffSize=40, model=model)
+    out: dict[str, str] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except (RuntimeError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    def step() -> None:
+        opt.zero_grad()
+        model(_batch(rank, 0)).pow(2).mean().backward()
+        opt.step()
+
+    step()
+    attempt("outside forward", lambda: _batch(rank, 1) @ model[0].weight.t())
+
+    def summon_inside() -> None:
+        handle = model[2].register_forward_pre_hook(lambda m, a: opt.summon_full_params().__enter__())
+        try:
+            with torch.no_grad():
+                model(_batch(rank, 1))
+        finally:
+            handle.remove()
+
+    attempt("summon inside forward", summon_inside)
+
+    def join() -> None:
+        with opt.join():
+            pass
+
+    attempt("join", join)
+    model[0].weight.requires_grad_(False)
+    attempt("layout change", step)
+    return out

@@ -107,6 +107,18 @@ def zero_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, 
              rss is not None and rss <= 1.0)]
 
 
+def zero3_rows(run: dict[str, Any] | None) -> list[tuple[str, str, float | None, bool]]:
+    """``zero3.py`` (AdamW, W = 2): zero=3's time over DDP's and over FSDP2's, its peak RSS over FSDP2's."""
+    r = (run or {}).get("results", {})
+    z3, ddp, fsdp = r.get("zero3"), r.get("ddp"), r.get("fsdp2")
+    vs_ddp = z3["x_ddp"] if z3 and "x_ddp" in z3 else None
+    vs_fsdp = z3["time_ms"] / fsdp["time_ms"] if z3 and fsdp else None
+    rss = z3["peak_rss_mib"] / fsdp["peak_rss_mib"] if z3 and fsdp else None
+    return [("torch AdamW: zero=3 step / DDP step", "<= 1.3", vs_ddp, vs_ddp is not None and vs_ddp <= 1.3),
+            ("... zero=3 step / FSDP2 step", "<= 0.5", vs_fsdp, vs_fsdp is not None and vs_fsdp <= 0.5),
+            ("... zero=3 peak RSS / FSDP2 peak RSS", "<= 1.0", rss, rss is not None and rss <= 1.0)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step", type=Path, default=RESULTS / "step.json")
@@ -114,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", type=Path, default=RESULTS / "overlap.json")
     p.add_argument("--train", type=Path, default=RESULTS / "train.json")
     p.add_argument("--zero", type=Path, default=RESULTS / "zero.json")
+    p.add_argument("--zero3", type=Path, default=RESULTS / "zero3.json")
     args = p.parse_args(argv)
     runs = {"step": _load(args.step), "allreduce": _load(args.allreduce), "overlap": _load(args.overlap),
-            "train": _load(args.train), "zero": _load(args.zero)}
+            "train": _load(args.train), "zero": _load(args.zero), "zero3": _load(args.zero3)}
     print("| target | goal | measured | met | run |")
     print("|---|---|---:|---|---|")
     for key, rows in (("step", step_rows(runs["step"])), ("allreduce", allreduce_rows(runs["allreduce"])),
                       ("overlap", overlap_rows(runs["overlap"])), ("train", train_rows(runs["train"])),
-                      ("zero", zero_rows(runs["zero"]))):
+                      ("zero", zero_rows(runs["zero"])), ("zero3", zero3_rows(runs["zero3"]))):
         for name, goal, value, met in rows:
             shown = "not measured" if value is None else f"{value:.2f}"
             print(f"| {name} | {goal} | {shown} | {'yes' if met else 'no'} | {_source(runs[key])} |")

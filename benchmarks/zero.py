@@ -58,17 +58,22 @@ from netsim_worker import make_gpt
 VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero3", "zero_torch", "fsdp2")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None, name: str = "zero", variants: tuple[str, ...] = VARIANTS,
+               doc: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc-per-node; default 2)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--launcher", choices=("torchrun", "mpiexec"), default="torchrun",
+                   help="start the jobs with torchrun (distopt on its torch backend) or mpiexec (distopt on MPI; "
+                        "DDP, ZeroRedundancyOptimizer and FSDP2 on a gloo group made from the MPI ranks)")
+    p.add_argument("--variants", default=",".join(variants), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--gpt", default="8192,512,8,6,64,2",
                    help="GPT vocab,d_model,heads,layers,seq_len,batch (default 8192,512,8,6,64,2: 27.4M parameters)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 2 iterations, 1 warm-up (default 4 x 2, 2)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--out", type=Path, default=_common.default_out("zero"), help="JSON output path")
+    p.add_argument("--out", type=Path, default=_common.default_out(name), help="JSON output path")
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--job", choices=("timing", "memory"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -79,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(keys) - set(VARIANTS))
     if unknown or not keys:
         p.error(f"--variants: unknown {unknown or 'none given'}; choose from {', '.join(VARIANTS)}")
-    args.keys = keys
+    args.keys, args.name = keys, name
     return args
 
 
@@ -93,7 +98,16 @@ class Variant:
         self.rounds: list[list[float]] = []
 
 
-def build(torch: Any, distopt: Any, key: str, spec: str, rank: int) -> Variant:
+def _fsdp(torch: Any, model: Any) -> None:
+    """Shard ``model`` with torch's FSDP2 ``fully_shard`` on every block and the root, in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def build(torch: Any, distopt: Any, key: str, spec: str, rank: int, backend: str) -> Variant:
     """The variant ``key`` on a GPT of ``spec`` (see the module docs), from seed 0."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -113,14 +127,10 @@ def build(torch: Any, distopt: Any, key: str, spec: str, rank: int) -> Variant:
         net = DDP(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
     elif key == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _fsdp(torch, model)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
     else:
-        dopt = opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), **adamw), backend="torch", model=model,
+        dopt = opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), **adamw), backend=backend, model=model,
                                      zero=int(key[4]), overlap_param_gather=key.endswith("_overlap"))
 
     def step() -> None:
@@ -166,7 +176,8 @@ def full_params(torch: Any, v: Variant) -> list[Any]:
 def timing_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Every variant interleaved (see the module docs); rank 0's record of each."""
     rank = dist.get_rank()
-    variants = [build(torch, distopt, k, args.gpt, rank) for k in args.keys]
+    backend = "mpi" if args.launcher == "mpiexec" else "torch"
+    variants = [build(torch, distopt, k, args.gpt, rank, backend) for k in args.keys]
     for v in variants:
         for _ in range(args.warmup):
             v.step()
@@ -203,7 +214,7 @@ def timing_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) ->
 def memory_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The one variant of ``args.keys`` alone: its peak RSS (max over ranks) and what rank 0 holds."""
     (key,) = args.keys
-    v = build(torch, distopt, key, args.gpt, dist.get_rank())
+    v = build(torch, distopt, key, args.gpt, dist.get_rank(), "mpi" if args.launcher == "mpiexec" else "torch")
     for _ in range(args.warmup + 3):
         v.step()
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
@@ -221,7 +232,13 @@ def job_main(args: argparse.Namespace) -> None:
     import distopt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.launcher == "mpiexec":  # the peers' gloo group, from the MPI ranks (no torchrun variables set)
+        from mpi4py import MPI
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=MPI.COMM_WORLD.Get_rank(), world_size=MPI.COMM_WORLD.Get_size())
+    else:
+        dist.init_process_group("gloo")
     record = (timing_job if args.job == "timing" else memory_job)(torch, dist, distopt, args)
     if dist.get_rank() == 0:
         args.job_out.write_text(json.dumps(record))
@@ -239,8 +256,11 @@ def run_job(args: argparse.Namespace, job: str, keys: list[str], folder: Path) -
         SystemExit: the job failed (its exit code and output tail).
     """
     out = folder / f"{job}-{'-'.join(keys)}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_common.free_port()), __file__, "--job", job, "--job-out", str(out),
+    port = str(_common.free_port())
+    launch = ([_common.mpiexec(), "-n", str(args.nproc), sys.executable] if args.launcher == "mpiexec" else
+              [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr",
+               "127.0.0.1", "--master-port", port])
+    cmd = [*launch, __file__, "--job", job, "--job-out", str(out), "--launcher", args.launcher, "--port", port,
            "--variants", ",".join(keys), "--gpt", args.gpt, "--rounds", str(args.rounds), "--iters",
            str(args.iters), "--warmup", str(args.warmup)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -251,17 +271,20 @@ def run_job(args: argparse.Namespace, job: str, keys: list[str], folder: Path) -
     return json.loads(out.read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, name: str = "zero", variants: tuple[str, ...] = VARIANTS,
+         doc: str | None = None) -> int:
+    """The driver (or, with ``--job``, one job); ``name`` names the JSON file and ``benchmark`` field,
+    ``variants`` are the default ``--variants``."""
+    args = parse_args(argv, name, variants, doc)
     if args.job is not None:
         job_main(args)
         return 0
-    env = _common.env_info(mpi=False)
+    env = _common.env_info(mpi=False)  # the driver is no MPI process (it launches the mpiexec jobs)
     with tempfile.TemporaryDirectory(prefix="distopt-zero-bench-") as tmp:
         results = run_job(args, "timing", args.keys, Path(tmp))
         for key in args.keys:
             results[key].update(run_job(args, "memory", [key], Path(tmp))[key])
-    data = {"benchmark": "zero", "world_size": args.nproc, "results": results,
+    data = {"benchmark": name, "world_size": args.nproc, "launcher": args.launcher, "results": results,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "env": _common.finish_env(env)}
     mib = 1 << 20
@@ -270,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{r['gradient_bytes'] / mib:.1f}", f"{r['max_abs_diff_vs_ddp']:.2e}" if "max_abs_diff_vs_ddp" in r
              else None] for k, r in results.items()]
     title = (f"GPT {args.gpt} (vocab,d_model,heads,layers,seq,batch), {next(iter(results.values()))['params']:,} "
-             f"parameters, AdamW; {args.nproc} processes, {_common.cpus()} CPUs, 1 torch thread; {args.rounds} "
+             f"parameters, AdamW; {args.nproc} processes ({args.launcher}), {_common.cpus()} CPUs, 1 torch thread; "
+             f"{args.rounds} "
              f"rounds x {args.iters} iterations, interleaved; memory: one job per variant")
     print(_common.table(["variant", "ms", "x ddp", "peak RSS MiB", "params MiB", "opt state MiB", "grad MiB",
                          "max |diff| vs ddp"], rows, title))

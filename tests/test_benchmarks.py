@@ -216,6 +216,31 @@ def test_zero_benchmark_smoke(tmp_path):
     assert rows["zero1"]["optimizer_state_bytes"] <= rows["ddp"]["optimizer_state_bytes"] / 2 + 1024, rows
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+@pytest.mark.job
+def test_zero3_benchmark_smoke(tmp_path, launcher):
+    """``benchmarks/zero3.py`` at W = 2 on a tiny GPT, under torchrun and mpiexec: DDP, ``zero=3`` and FSDP2;
+    zero=3 ends bitwise equal to DDP and holds half of its parameters and AdamW state at rest, as FSDP2."""
+    pytest.importorskip("torch")
+    out = tmp_path / "zero3.json"
+    res = subprocess.run([sys.executable, str(BENCH / "zero3.py"), "--variants", "ddp,zero3,fsdp2", "--launcher",
+                          launcher, "--gpt", "256,32,2,1,16,2", "--rounds", "1", "--iters", "1", "--warmup", "1",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = _load(out, "zero3")
+    rows = data["results"]
+    assert set(rows) == {"ddp", "zero3", "fsdp2"} and data["launcher"] == launcher
+    for key, rec in rows.items():
+        assert {"time_ms", "x_ddp", "peak_rss_mib", "parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
+                "max_abs_diff_vs_ddp"} <= set(rec), key
+    assert rows["zero3"]["max_abs_diff_vs_ddp"] == 0.0 and rows["fsdp2"]["max_abs_diff_vs_ddp"] == 0.0, rows
+    full = rows["ddp"]["parameter_bytes"]
+    assert full == rows["ddp"]["params"] * 4
+    assert full / 2 <= rows["zero3"]["parameter_bytes"] <= full / 2 + 64, rows  # 1/W (+ the odd elements)
+    assert rows["zero3"]["optimizer_state_bytes"] <= rows["ddp"]["optimizer_state_bytes"] / 2 + 1024, rows
+    assert 0 < rows["zero3"]["gathered_bytes_peak"] <= full, rows
+
+
 @pytest.mark.unit
 def test_zero_targets_read_zero_py_results():
     """targets.py's zero.py rows: zero=1's time over zero=0's, and zero=1's peak RSS over zero=0's minus the
@@ -232,3 +257,19 @@ def test_zero_targets_read_zero_py_results():
     assert t_value == pytest.approx(0.95) and not t_met and o_value is None
     assert r_value == pytest.approx(850 / 900) and r_met
     assert [row[2] for row in targets.zero_rows(None)] == [None, None, None]
+
+
+@pytest.mark.unit
+def test_zero3_targets_read_zero3_py_results():
+    """targets.py's zero3.py rows: zero=3's time over DDP's and FSDP2's, its peak RSS over FSDP2's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import targets
+    finally:
+        sys.path.remove(str(BENCH))
+    run = {"results": {"zero3": {"time_ms": 120.0, "x_ddp": 1.2, "peak_rss_mib": 900.0},
+                       "fsdp2": {"time_ms": 200.0, "peak_rss_mib": 1000.0}}}
+    (_, _, ddp, ddp_met), (_, _, fsdp, fsdp_met), (_, _, rss, rss_met) = targets.zero3_rows(run)
+    assert ddp == pytest.approx(1.2) and ddp_met and fsdp == pytest.approx(0.6) and not fsdp_met
+    assert rss == pytest.approx(0.9) and rss_met
+    assert [row[2] for row in targets.zero3_rows(None)] == [None, None, None]

@@ -56,15 +56,18 @@ import numpy as np
 from netsim_worker import make_gpt
 
 VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero3", "zero_torch", "fsdp2")
+#: distopt's backend under each launcher.
+BACKENDS = {"torchrun": "torch", "mpiexec": "mpi", "distopt": "shm"}
 
 
 def parse_args(argv: list[str] | None = None, name: str = "zero", variants: tuple[str, ...] = VARIANTS,
                doc: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc-per-node; default 2)")
-    p.add_argument("--launcher", choices=("torchrun", "mpiexec"), default="torchrun",
-                   help="start the jobs with torchrun (distopt on its torch backend) or mpiexec (distopt on MPI; "
-                        "DDP, ZeroRedundancyOptimizer and FSDP2 on a gloo group made from the MPI ranks)")
+    p.add_argument("--launcher", choices=tuple(BACKENDS), default="torchrun",
+                   help="start the jobs with torchrun (distopt on its torch backend), mpiexec (distopt on MPI) or "
+                        "python -m distopt.launch (distopt on shared memory); DDP, ZeroRedundancyOptimizer and "
+                        "FSDP2 always on gloo (a group made from the ranks the launcher gave)")
     p.add_argument("--variants", default=",".join(variants), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--gpt", default="8192,512,8,6,64,2",
                    help="GPT vocab,d_model,heads,layers,seq_len,batch (default 8192,512,8,6,64,2: 27.4M parameters)")
@@ -176,8 +179,7 @@ def full_params(torch: Any, v: Variant) -> list[Any]:
 def timing_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Every variant interleaved (see the module docs); rank 0's record of each."""
     rank = dist.get_rank()
-    backend = "mpi" if args.launcher == "mpiexec" else "torch"
-    variants = [build(torch, distopt, k, args.gpt, rank, backend) for k in args.keys]
+    variants = [build(torch, distopt, k, args.gpt, rank, BACKENDS[args.launcher]) for k in args.keys]
     for v in variants:
         for _ in range(args.warmup):
             v.step()
@@ -214,7 +216,7 @@ def timing_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) ->
 def memory_job(torch: Any, dist: Any, distopt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The one variant of ``args.keys`` alone: its peak RSS (max over ranks) and what rank 0 holds."""
     (key,) = args.keys
-    v = build(torch, distopt, key, args.gpt, dist.get_rank(), "mpi" if args.launcher == "mpiexec" else "torch")
+    v = build(torch, distopt, key, args.gpt, dist.get_rank(), BACKENDS[args.launcher])
     for _ in range(args.warmup + 3):
         v.step()
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
@@ -237,6 +239,9 @@ def job_main(args: argparse.Namespace) -> None:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                                 rank=MPI.COMM_WORLD.Get_rank(), world_size=MPI.COMM_WORLD.Get_size())
+    elif args.launcher == "distopt":  # RANK and WORLD_SIZE from python -m distopt.launch
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     else:
         dist.init_process_group("gloo")
     record = (timing_job if args.job == "timing" else memory_job)(torch, dist, distopt, args)
@@ -257,9 +262,10 @@ def run_job(args: argparse.Namespace, job: str, keys: list[str], folder: Path) -
     """
     out = folder / f"{job}-{'-'.join(keys)}.json"
     port = str(_common.free_port())
-    launch = ([_common.mpiexec(), "-n", str(args.nproc), sys.executable] if args.launcher == "mpiexec" else
-              [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr",
-               "127.0.0.1", "--master-port", port])
+    launch = {"mpiexec": [_common.mpiexec(), "-n", str(args.nproc), sys.executable],
+              "distopt": [sys.executable, "-m", "distopt.launch", "-n", str(args.nproc)],
+              "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", port]}[args.launcher]
     cmd = [*launch, __file__, "--job", job, "--job-out", str(out), "--launcher", args.launcher, "--port", port,
            "--variants", ",".join(keys), "--gpt", args.gpt, "--rounds", str(args.rounds), "--iters",
            str(args.iters), "--warmup", str(args.warmup)]

@@ -15,7 +15,8 @@ post-backward hooks (Zhao et al., VLDB 2023):
   unit (in the first forward's order) that needs a bucket not yet gathered
   (prefetch). A module with an empty unit (a container) does nothing. When
   the outermost module returns, everything is freed but, with gradients
-  on, the last unit's buckets, which backward needs first;
+  on, the buckets of the last unit and of the one before it, which
+  backward needs first;
 * **backward**: a hook on each module's outputs (``register_multi_grad_hook``)
   gathers the module's unit before its backward runs and prefetches the one
   before it. A bucket is freed once each of its parameters has its gradient
@@ -197,7 +198,8 @@ class ModuleHooks:
             self._learn()
             if grad:  # the first backward: everything stays whole until its gradients arrive
                 return
-        self.store.free_all(keep=self._unit(self._last) if grad and self._last is not None else ())
+        last = self._last  # with gradients on, backward starts with the last unit and the one before it
+        self.store.free_all(keep=(*self._unit(last), *self._prev.get(id(last), ())) if grad and last else ())
 
     def _pre_backward(self, module: Any) -> None:
         self.store.gather(1, self._position(module), self._unit(module), self._prev.get(id(module), ()))

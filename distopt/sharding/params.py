@@ -38,10 +38,10 @@ _FREE, _PENDING, _FULL = 0, 1, 2
 _PHASES = ("forward", "backward", "summon_full_params/state_dict")
 
 
-def raw_array(tensor: Any) -> Any:
-    """A NumPy (CPU) or CuPy (CUDA) array over a contiguous tensor's memory that leaves its storage
-    resizable (``Tensor.numpy()`` pins it); valid until the storage is resized."""
-    dtype = as_array(tensor.new_empty(0)).dtype
+def raw_array(tensor: Any, dtype: Any) -> Any:
+    """A NumPy (CPU) or CuPy (CUDA) array of ``dtype`` (the tensor's, as :func:`~distopt.torch.adapter.as_array`
+    gives it) over a contiguous tensor's memory that leaves its storage resizable (``Tensor.numpy()`` pins
+    it); valid until the storage is resized."""
     if tensor.is_cuda:
         import cupy
 
@@ -57,7 +57,7 @@ class ParamShards:
     :class:`~distopt.sharding.param_hooks.ModuleHooks`).
 
     Args:
-        comm: the communicator (``all_gather_into``; ``all_gather_into_async`` where it has one).
+        comm: the communicator (its rank; the gathers go through the engine's launcher, :meth:`shard`).
         counters: the step counters (``gather_bytes``, ``gathered_bytes_peak``).
 
     Attributes:
@@ -82,16 +82,31 @@ class ParamShards:
         self.bucket_of: dict[int, int] = {}
         self.names: list[str] = []
         self._context: Callable[[str], Any] | None = None
+        self._launch: Any = None
+        self._full: list[list[Any]] = []  # per bucket: its parameters' views into the flat buffer
+        self._empty: list[Any] = []  # per parameter: its 0-element tensor at rest
+        self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = 0
         self._peak = 0  # the most BYTES gathered at one time since the last step
 
     # ------------------------------------------------------------ segments
     def shard(self, tensors: Sequence[Any], buckets: Sequence[Bucket], plan: ShardPlan,
-              context: Callable[[str], Any]) -> None:
-        """Keep this rank's segment of every bucket of ``tensors`` (identical on every rank) and free them."""
+              context: Callable[[str], Any], launch: Any) -> None:
+        """Keep this rank's segment of every bucket of ``tensors`` (identical on every rank) and free them.
+
+        Args:
+            tensors: the layout's parameters, in the step's order.
+            buckets: the layout's float buckets.
+            plan: the layout's shard plan.
+            context: wraps collective errors with the step and the bucket.
+            launch: the engine's :class:`~distopt.step.pipeline.Launcher`: the gathers and checks go in
+                order with the step's reductions (on its worker thread where the backend has no
+                asynchronous collectives).
+        """
         import torch
 
         self.tensors, self.buckets, self.plan, self._context = list(tensors), list(buckets), plan, context
+        self._launch = launch
         self.shapes = {id(t): tuple(t.shape) for t in self.tensors}
         rank = self.comm.rank
         for b, bucket in enumerate(self.buckets):
@@ -106,7 +121,10 @@ class ParamShards:
             self._flats.append(flat)
             self._state.append(_FULL)
             self._gathered += flat.nbytes
+            self._full.append([flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots])
             self._views(b)
+        self._empty = [torch.empty(0, dtype=t.dtype, device=t.device) for t in self.tensors]
+        self._segment_arrays = [as_array(seg) for seg in self.segments]
         self.free_all()
 
     def step_done(self) -> None:
@@ -127,17 +145,11 @@ class ParamShards:
             return
         flat = self._flats[b]
         flat.untyped_storage().resize_(flat.nbytes)
-        array = raw_array(flat)
+        array = raw_array(flat, self._segment_arrays[b].dtype)
         lo, counts = self.plan.lows[b], self.plan.counts[b]  # type: ignore[union-attr]
-        array[lo:lo + counts[self.comm.rank]] = as_array(self.segments[b])
-        native = getattr(self.comm, "all_gather_into_async", None)
+        array[lo:lo + counts[self.comm.rank]] = self._segment_arrays[b]
         with self._context(self._where(b)):  # type: ignore[misc]
-            if native is None:
-                self.comm.all_gather_into(array, counts)
-                handle = None
-            else:
-                handle = native(array, counts)
-        self._pending[b] = handle
+            self._pending[b] = self._launch.gather(array, counts)
         self._state[b] = _PENDING
         self._gathered += flat.nbytes
         self.counters.gather_bytes += int(flat.nbytes)
@@ -149,28 +161,25 @@ class ParamShards:
         if self._state[b] != _PENDING:
             return
         handle = self._pending.pop(b)
-        if handle is not None:
-            with self._context(self._where(b)):  # type: ignore[misc]
-                handle.wait()
+        with self._context(self._where(b)):  # type: ignore[misc]
+            handle.wait()
         self._views(b)
         self._state[b] = _FULL
 
     def _views(self, b: int) -> None:
-        flat = self._flats[b]
-        for s in self.buckets[b].slots:
-            self.tensors[s.index].data = flat[s.offset:s.offset + s.size].view(s.shape)
+        """Make bucket ``b``'s parameters views into its flat buffer (made once: a view reads the buffer's
+        storage through every resize)."""
+        for s, view in zip(self.buckets[b].slots, self._full[b]):
+            self.tensors[s.index].data = view
 
     def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
-        import torch
-
         if self._state[b] == _PENDING:
             self._finish(b)
         if self._state[b] != _FULL:
             return
         for s in self.buckets[b].slots:
-            t = self.tensors[s.index]
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            self.tensors[s.index].data = self._empty[s.index]
         flat = self._flats[b]
         flat.untyped_storage().resize_(0)
         self._gathered -= flat.nbytes
@@ -187,7 +196,7 @@ class ParamShards:
         mine = np.array([phase, where, len(buckets), min(buckets), max(buckets),
                          sum((b + 1) * (b + 7) for b in buckets)], dtype=np.int64)
         with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
-            everyone = self.comm.all_gather(mine)
+            everyone = self._launch.call(self.comm.all_gather, mine)
         if (everyone == everyone[0]).all():
             return
         names = dict(enumerate(n or "the model" for n in self.names))

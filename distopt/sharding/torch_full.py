@@ -56,7 +56,8 @@ class FullyShardedTorchStep(ShardedTorchStep):
         """Shard the parameters in the layout the follower's steps will use, and hook the model."""
         tensors, buckets = follower.planned()
         engine = follower.runner.engine
-        self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context)
+        self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context,
+                         engine.launch)
         engine.known(self.arrays(tensors))
         self.hooks = ModuleHooks(self.store)
         self.local.handles.extend(self.hooks.hook(self.model))

@@ -83,6 +83,22 @@ class Launcher:
             return lambda array, op: native(array, counts, op)
         return lambda array, op: self._submit(self.comm.reduce_scatter, array, counts, op)
 
+    def gather(self, array: Any, counts: Sequence[int]) -> Any:
+        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``,
+        or the worker thread, after the reductions already submitted to it); its handle's ``wait()``
+        completes it."""
+        native = getattr(self.comm, "all_gather_into_async", None)
+        if native is not None:
+            return native(array, counts)
+        return self._submit(self.comm.all_gather_into, array, counts)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the
+        worker thread when there is one (two threads must not interleave one communicator's calls)."""
+        if self._executor is None:
+            return fn(*args)
+        return self._submit(fn, *args).wait()
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown()

@@ -167,7 +167,7 @@ class Engine:
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
                            unsettled, int(bad), 0 if groups is None else groups.digest, int(shadow)],
                           dtype=np.int64)
-        everyone = self.comm.all_gather(header)
+        everyone = self.launch.call(self.comm.all_gather, header)  # after what its worker thread holds (zero=3)
         self.counters.control_collectives += 1
         stepping = everyone[everyone[:, 7] == 0, 6]  # a shadow step's own optimizer settings are not compared
         if (everyone[:, :2] != everyone[0, :2]).any() or (stepping != stepping[:1]).any():

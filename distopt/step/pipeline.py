@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from ..core._array import xp_of
 from ..core.buckets import Bucket, is_float, put
 from ..comm.base import Communicator
-from ..comm.lifecycle import profile_range
+from ..comm.lifecycle import Completed, profile_range
 from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
@@ -84,13 +84,13 @@ class Launcher:
         return lambda array, op: self._submit(self.comm.reduce_scatter, array, counts, op)
 
     def gather(self, array: Any, counts: Sequence[int]) -> Any:
-        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``,
-        or the worker thread, after the reductions already submitted to it); its handle's ``wait()``
-        completes it."""
+        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``);
+        its handle's ``wait()`` completes it. Without one it is complete on return, run by :meth:`call`:
+        left on the worker thread, it could pair with a collective the caller makes meanwhile."""
         native = getattr(self.comm, "all_gather_into_async", None)
         if native is not None:
             return native(array, counts)
-        return self._submit(self.comm.all_gather_into, array, counts)
+        return Completed(self.call(self.comm.all_gather_into, array, counts))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the

@@ -1,7 +1,7 @@
-"""The engine's launcher: a backend without asynchronous collectives runs them on one worker thread, and any
-other collective of the same communicator (zero=3's gathers and their checks) goes through that thread too,
-after the reductions submitted before it (two threads interleaving one communicator's calls pair different
-collectives across ranks)."""
+"""The engine's launcher: a backend without asynchronous collectives runs its reductions on one worker thread,
+and any other collective of the same communicator made meanwhile (the step header, zero=3's gathers and their
+checks) goes through that thread too, after the reductions submitted before it, and is complete when the call
+returns (two threads interleaving one communicator's calls pair different collectives across ranks)."""
 from __future__ import annotations
 
 import threading
@@ -48,7 +48,8 @@ def test_threaded_launcher_runs_gathers_and_checks_after_the_reductions_on_its_w
     launch = Launcher(comm)
     started = launch.scatter([2, 2])(np.zeros(4), "sum")
     rows = launch.call(comm.all_gather, np.arange(3))  # submitted while the reduce-scatter still runs
-    launch.gather(np.zeros(4), [2, 2]).wait()
+    handle = launch.gather(np.zeros(4), [2, 2])
+    assert handle.test() and len(comm.calls) == 3  # complete on return: nothing left on the worker
     started.wait()
     launch.close()
     assert [name for name, _ in comm.calls] == ["reduce_scatter", "all_gather", "all_gather_into"]

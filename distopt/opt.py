@@ -309,12 +309,12 @@ class DistOpt(SingaMethods, CollectiveMethods):
         self._collectives.average_params(params)
 
     def state_dict(self, sharded: bool = False) -> dict[str, Any]:
-        """Everything needed to continue (see :class:`~distopt.step.state.StepState`); with ``zero=1|2``
+        """Everything needed to continue (see :class:`~distopt.step.state.StepState`); with ``zero=1|2|3``
         consolidated on every rank (collective), or only this rank's shard with ``sharded=True``."""
         return self._state.state_dict(self.sampler, sharded)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """With ``zero=1|2``: consolidate the state now, on every rank (collective), so that rank ``to``
+        """With ``zero=1|2|3``: consolidate the state now, on every rank (collective), so that rank ``to``
         ALONE may then call :meth:`state_dict` (a rank-0-only checkpoint writer) until the next step, as
         torch's ``ZeroRedundancyOptimizer.consolidate_state_dict``. Nothing to do at ``zero=0``.
 

@@ -101,7 +101,7 @@ class Communicator(Protocol):
 
 @runtime_checkable
 class ShardingCommunicator(Communicator, Protocol):
-    """A :class:`Communicator` with the collectives of a sharded optimizer (``DistOpt(zero=1|2)``) and of
+    """A :class:`Communicator` with the collectives of a sharded optimizer (``DistOpt(zero=1|2|3)``) and of
     ``all_to_all`` exchanges. Every distopt backend is one; a communicator of your own needs these only
     for ``zero``."""
 

@@ -105,7 +105,7 @@ class ShardedState:
                 return self._state_dict(sharded)
             except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
                 raise type(exc)(
-                    f"{exc}; with zero=1|2, state_dict() consolidates every rank's shard: call it on every rank, "
+                    f"{exc}; with zero=1|2|3, state_dict() consolidates every rank's shard: call it on every rank, "
                     "or call opt.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 "
                     "alone (a rank-0-only checkpoint writer)") from exc
 

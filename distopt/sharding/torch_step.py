@@ -1,4 +1,4 @@
-"""A sharded optimizer over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=1|2)``).
+"""A sharded optimizer over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=1|2|3)``).
 
 The inner optimizer keeps its class, parameter groups and
 hyper-parameters (LR schedulers work unchanged) but, from the end of each

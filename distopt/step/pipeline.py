@@ -59,6 +59,7 @@ class Launcher:
         self.comm = comm
         self._native = getattr(comm, "all_reduce_async", None)
         self._executor: ThreadPoolExecutor | None = None
+        self._last: Future | None = None  # the worker thread's last call
 
     @property
     def threaded(self) -> bool:
@@ -73,7 +74,8 @@ class Launcher:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> _ThreadHandle:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distopt-allreduce")
-        return _ThreadHandle(self._executor.submit(fn, *args))
+        self._last = self._executor.submit(fn, *args)
+        return _ThreadHandle(self._last)
 
     def scatter(self, counts: Sequence[int]) -> Callable[[Any, str], Any]:
         """``scatter(array, op)``: starts a reduce-scatter of ``array`` over ``counts`` (the backend's
@@ -94,8 +96,9 @@ class Launcher:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the
-        worker thread when there is one (two threads must not interleave one communicator's calls)."""
-        if self._executor is None:
+        worker thread while it still runs one (two threads must not interleave one communicator's calls),
+        else on the caller's."""
+        if self._last is None or self._last.done():  # the worker holds nothing: no interleaving
             return fn(*args)
         return self._submit(fn, *args).wait()
 

@@ -67,7 +67,7 @@ class StepState:
             ValueError: ``sharded=True`` without a sharded torch optimizer.
         """
         if sharded and self.sharding is None:
-            raise ValueError("sharded=True needs DistOpt(torch_optimizer, zero=1|2)")
+            raise ValueError("sharded=True needs DistOpt(torch_optimizer, zero=1|2|3)")
         extras: dict[str, Any] = {"format": STATE_FORMAT, "stats": self.counters.state_dict(),
                                   **self.strategies.state_dict()}
         if sampler is not None:

@@ -202,7 +202,7 @@ class Strategy(ABC):
             :attr:`BucketContext.launch`, whose result it reports in
             :attr:`Done.result`, so the bucket sync may make it a
             reduce-scatter: it runs under a sharded optimizer
-            (``DistOpt(zero=1|2)``).
+            (``DistOpt(zero=1|2|3)``).
     """
 
     name: ClassVar[str]

@@ -44,7 +44,7 @@ def check_sharing(tensors: Any, follower: Any, names: Any) -> None:
             claim(t, follower)
     else:
         raise ValueError(f"parameters {names(shared)} belong to another live DistOpt too, and one of the two "
-                         "shards its optimizer (zero=1|2), which updates only its own pieces of its own tensors: "
+                         "shards its optimizer (zero=1|2|3), which updates only its own pieces of its own tensors: "
                          "give each parameter to one DistOpt, or use zero=0 for both (or close() the other first)")
 
 

@@ -35,7 +35,7 @@ sparse tensor. Here:
 * ``.grad`` is then the coalesced sparse average (``torch.optim.SparseAdam``,
   sparse ``SGD``, ``Adagrad``); None where no rank had a gradient.
 * **Densified** instead (``sparse_as_dense=True``, and always with
-  ``gradient_as_bucket_view`` or ``zero=1|2``): a sparse gradient becomes
+  ``gradient_as_bucket_view`` or ``zero=1|2|3``): a sparse gradient becomes
   dense at its hook and is averaged in its bucket; an optimizer that only
   takes sparse gradients (:func:`needs_sparse`: ``SparseAdam``) gets it
   back sparse, the rows (``sparse_dim`` 1) that are non-zero in the

@@ -1,7 +1,7 @@
 """Fully sharded parameters (``DistOpt(zero=3)``) against ``zero=0``: bitwise at W <= 2, float rounding above.
 
 The numerics run in the simulated world at W = 1 to 4, and on MPI, shm and
-torch.distributed at W = 2 and 3; memory at rest is asserted from ``stats``.
+torch.distributed at W = 2, 3 and 4; memory at rest is asserted from ``stats``.
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_zero3_distopt_save_at_two_loads_at_three(tmp_path):
     _same(ref, run_case("sim", 3, cases.case_save_load, 3, path, True), 3, "distopt.load at W=3")
 
 
-@pytest.mark.parametrize("backend,world", tiered([(b, w) for b in ("mpi", "shm", "torch") for w in (2, 3)]))
+@pytest.mark.parametrize("backend,world", tiered([(b, w) for b in ("mpi", "shm", "torch") for w in (2, 3, 4)]))
 def test_zero3_backends_equal_zero0(backend, world):
     for optimizer, options in (("sgd", {"accumulate": 2}), ("adamw-foreach", {"clip": 0.05})):
         ref = run_case(backend, world, cases.case_torch, 0, optimizer, options)

@@ -11,7 +11,8 @@ Variants, every one built from seed 0 with the same data on each rank:
 * ``zero0`` ... ``zero3``: ``DistOpt(AdamW, backend="torch",
   model=..., zero=0|1|2|3)``; ``zero1_overlap``: ``zero=1`` with
   ``overlap_param_gather=True`` (each bucket's all-gather completes when the
-  next forward reaches it);
+  next forward reaches it); ``zero3_keep``: ``zero=3`` with
+  ``reshard_after_forward=False``;
 * ``zero_torch``: DDP and torch's ``ZeroRedundancyOptimizer`` over AdamW;
 * ``fsdp2``: torch's ``fully_shard`` (FSDP2) on every block and the root.
 
@@ -55,7 +56,7 @@ import _common
 import numpy as np
 from netsim_worker import make_gpt
 
-VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero3", "zero_torch", "fsdp2")
+VARIANTS = ("ddp", "zero0", "zero1", "zero1_overlap", "zero2", "zero3", "zero3_keep", "zero_torch", "fsdp2")
 #: distopt's backend under each launcher.
 BACKENDS = {"torchrun": "torch", "mpiexec": "mpi", "distopt": "shm"}
 
@@ -134,7 +135,8 @@ def build(torch: Any, distopt: Any, key: str, spec: str, rank: int, backend: str
         opt = torch.optim.AdamW(model.parameters(), **adamw)
     else:
         dopt = opt = distopt.DistOpt(torch.optim.AdamW(model.parameters(), **adamw), backend=backend, model=model,
-                                     zero=int(key[4]), overlap_param_gather=key.endswith("_overlap"))
+                                     zero=int(key[4]), overlap_param_gather=key.endswith("_overlap"),
+                                     reshard_after_forward=not key.endswith("_keep"))
 
     def step() -> None:
         loss = torch.nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten())

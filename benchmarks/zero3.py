@@ -9,7 +9,9 @@ Run (a driver: it starts the jobs itself)::
 The GPT-style model (token and position embeddings, pre-LN attention and
 MLP blocks, an untied head) trains with AdamW, every variant from seed 0 on
 the same data: ``ddp``; ``zero0`` ... ``zero3`` (``DistOpt(AdamW,
-model=..., zero=k)``); ``zero_torch`` (DDP and torch's
+model=..., zero=k)``); ``zero3_keep`` (``zero=3`` with
+``reshard_after_forward=False``: one all-gather per step, the whole model
+gathered during forward and backward); ``zero_torch`` (DDP and torch's
 ``ZeroRedundancyOptimizer``); ``fsdp2`` (torch's ``fully_shard`` on every
 block and the root: ZeRO-3's peer). The jobs, the timing (interleaved
 rounds, the max over ranks per iteration) and the memory columns are
@@ -30,7 +32,7 @@ import sys
 
 import zero
 
-VARIANTS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero_torch", "fsdp2")
+VARIANTS = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3_keep", "zero_torch", "fsdp2")
 
 if __name__ == "__main__":
     sys.exit(zero.main(None, "zero3", VARIANTS, __doc__))

@@ -80,6 +80,10 @@ class DistOpt(SingaMethods, CollectiveMethods):
             Half; an elementwise optimizer.
         overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight
             until the next forward reaches its parameters.
+        reshard_after_forward: FSDP's option, for ``zero=3``: True (the default) frees each bucket after the
+            forward that used it and gathers it again for backward; False keeps every bucket gathered from
+            forward until its gradients are ready (one all-gather per step instead of two, for the memory of
+            the whole model during forward and backward; still 1/W at rest).
         hierarchical: the all-reduce across nodes (:mod:`distopt.comm.hierarchy`): None picks it on the torch
             backend when there are several nodes (host names) with the same number (> 1) of processes; True
             requires it (mpi or torch; ValueError where it cannot be); False keeps the flat all-reduce.
@@ -115,6 +119,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
                  sparse_as_dense: bool = False, world: World | None = None,
                  gradient_as_bucket_view: bool = False, divide_by_initial_world_size: bool = True,
                  named_parameters: Any = None, zero: int = 0, overlap_param_gather: bool = False,
+                 reshard_after_forward: bool = True,
                  hierarchical: bool | None = None, group: Any = None) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
@@ -139,8 +144,11 @@ class DistOpt(SingaMethods, CollectiveMethods):
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
         counters = self._counters
+        if not reshard_after_forward and zero != 3:
+            raise ValueError(f"reshard_after_forward=False keeps zero=3's gathered parameters from forward to "
+                             f"backward; with zero={zero} the parameters are never freed: drop it, or use zero=3")
         sink, sharded_state = (torch_sharding(zero, self.comm, local, overlap_param_gather, model,
-                                              gradient_as_bucket_view, counters)
+                                              gradient_as_bucket_view, counters, bool(reshard_after_forward))
                                if isinstance(local, TorchOptimizer) else (None, None))
         self._state = StepState(local, self._counters, strategies, sharded_state)
         self._collectives = Collectives(self.comm, self.engine, local)

@@ -23,6 +23,10 @@ post-backward hooks (Zhao et al., VLDB 2023):
   (post-accumulate-grad hooks), as FSDP frees after a unit's backward;
   everything at the end of backward. A re-computation during backward
   (activation checkpointing) gathers without freeing;
+* ``reshard_after_forward=False`` (FSDP's option): a forward with gradients
+  on frees nothing, so backward gathers nothing again (one all-gather per
+  bucket and step instead of two; the whole model is gathered between the
+  end of forward and backward);
 * ``state_dict()`` gathers everything and returns copies; ``load_state_dict()``
   gathers, loads and keeps what was loaded in the segments.
 
@@ -53,10 +57,12 @@ class ModuleHooks:
 
     Args:
         store: the :class:`~distopt.sharding.params.ParamShards` of the model's layout.
+        reshard_after_forward: False: a forward with gradients on frees nothing, and backward frees each
+            bucket once its gradients are ready (FSDP's ``reshard_after_forward=False``).
     """
 
-    def __init__(self, store: ParamShards) -> None:
-        self.store = store
+    def __init__(self, store: ParamShards, reshard_after_forward: bool = True) -> None:
+        self.store, self.reshard = store, reshard_after_forward
         self._model: Any = None
         self._positions: dict[int, int] = {}
         self._done: list[set[int]] = [set() for _ in store.buckets]  # per bucket: parameters with their gradient
@@ -157,6 +163,8 @@ class ModuleHooks:
         return ()
 
     def _pre_forward(self, module: Any, args: Any) -> None:  # noqa: ARG002
+        import torch
+
         if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
             self.store.gather(1, self._position(module), self._unit(module))
             return
@@ -173,8 +181,8 @@ class ModuleHooks:
         self._stack.append(module)
         if not need:  # a container: its children gather what they use
             return
-        keep = {*need, *ahead, *(b for m in self._stack for b in self._unit(m))}
-        self.store.free_all(keep=keep)
+        if self.reshard or not torch.is_grad_enabled():
+            self.store.free_all(keep={*need, *ahead, *(b for m in self._stack for b in self._unit(m))})
         self._last = module
         self.store.gather(0, self._position(module), need, ahead)
 
@@ -198,6 +206,8 @@ class ModuleHooks:
             self._learn()
             if grad:  # the first backward: everything stays whole until its gradients arrive
                 return
+        if grad and not self.reshard:
+            return
         last = self._last  # with gradients on, backward starts with the last unit and the one before it
         self.store.free_all(keep=(*self._unit(last), *self._prev.get(id(last), ())) if grad and last else ())
 

@@ -44,11 +44,14 @@ class FullyShardedTorchStep(ShardedTorchStep):
         local: the torch local optimizer.
         model: the ``torch.nn.Module`` whose forward and backward gather the parameters.
         counters: the step counters.
+        reshard_after_forward: free each bucket after the forward that used it (see
+            :class:`~distopt.sharding.param_hooks.ModuleHooks`).
     """
 
-    def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any) -> None:
+    def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any,
+                 reshard_after_forward: bool = True) -> None:
         super().__init__(comm, local, 3, overlap_param_gather=False)
-        self.model, self.store = model, ParamShards(comm, counters)
+        self.model, self.store, self.reshard = model, ParamShards(comm, counters), reshard_after_forward
         self.hooks: ModuleHooks | None = None
         self._checked: int | None = None
 
@@ -59,7 +62,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
         self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context,
                          engine.launch)
         engine.known(self.arrays(tensors))
-        self.hooks = ModuleHooks(self.store)
+        self.hooks = ModuleHooks(self.store, self.reshard)
         self.local.handles.extend(self.hooks.hook(self.model))
         self.local.held_param_bytes = self.store.held_bytes
 

@@ -185,7 +185,8 @@ class ShardedState:
 
 
 def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_gather: bool, model: Any,
-                   bucket_view: bool, counters: Any) -> tuple[GradientSink, ShardedState | None]:
+                   bucket_view: bool, counters: Any, reshard_after_forward: bool = True
+                   ) -> tuple[GradientSink, ShardedState | None]:
     """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
     state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state).
 
@@ -210,7 +211,7 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     if zero == 3:
         from .torch_full import FullyShardedTorchStep
 
-        shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters)
+        shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters, reshard_after_forward)
     else:
         shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather and zero < 3:

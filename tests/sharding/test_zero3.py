@@ -16,8 +16,10 @@ from tests.support.backends import run_case, tiered
 torch = pytest.importorskip("torch")
 
 OPTIONS = [{}, {"clip": 0.05}, {"accumulate": 2}, {"scaler": True}, {"scaler": True, "poison_step": 1},
-           {"check_finite": True, "poison_step": 2}, {"strategy": "half"}]
-IDS = ["plain", "clip", "no_sync", "grad_scaler", "grad_scaler_inf", "check_finite_inf", "half"]
+           {"check_finite": True, "poison_step": 2}, {"strategy": "half"}, {"reshard_after_forward": False},
+           {"reshard_after_forward": False, "accumulate": 2, "clip": 0.05}]
+IDS = ["plain", "clip", "no_sync", "grad_scaler", "grad_scaler_inf", "check_finite_inf", "half", "no_reshard",
+       "no_reshard_no_sync_clip"]
 
 
 def _same(ref: list, got: list, world: int, what: str) -> None:
@@ -45,6 +47,18 @@ def test_zero3_equals_zero0(optimizer, world):
             assert {g["scale"] for g in got} == {ref[0]["scale"]}, name
         if options.get("check_finite"):
             assert got[0]["stats"]["skipped_steps"] == ref[0]["stats"]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
+def test_zero3_without_reshard_after_forward_gathers_once_per_step(world):
+    resharded = run_case("sim", world, cases.case_torch, 3, "sgd", {})
+    kept = run_case("sim", world, cases.case_torch, 3, "sgd", {"reshard_after_forward": False})
+    _same([r["params"] for r in resharded], [k["params"] for k in kept], 2, "reshard_after_forward=False")
+    full = sum(p.numel() * 4 for p in resharded[0]["params"])
+    # the first step gathers everything once; each later step once (False) or in forward and backward (True)
+    assert kept[0]["stats"]["gather_bytes"] == cases.STEPS * full + full  # + summon_full_params at the end
+    assert resharded[0]["stats"]["gather_bytes"] > kept[0]["stats"]["gather_bytes"] + full
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -167,6 +181,9 @@ def test_zero3_bad_settings_are_refused_at_construction():
                         gradient_as_bucket_view=True)
     with pytest.raises(ValueError, match="elementwise"):
         distopt.DistOpt(torch.optim.LBFGS(model.parameters()), backend="single", zero=3, model=model)
+    with pytest.raises(ValueError, match="reshard_after_forward=False keeps zero=3's"):
+        distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), backend="single", zero=2, model=model,
+                        reshard_after_forward=False)
     from distopt.strategies import Sparse
 
     with pytest.raises(ValueError, match="supports sharding"):

@@ -73,7 +73,7 @@ def _batch(rank: int, step: int) -> Any:
 def case_torch(rank: int, comm: Any, zero: int, optimizer: str, options: dict[str, Any]) -> dict[str, Any]:
     """A small MLP (a 1-element bias: smaller than W) with a torch optimizer and StepLR, buckets of 40
     elements. ``options``: ``strategy``, ``clip``, ``accumulate`` (no_sync passes), ``scaler``,
-    ``overlap_param_gather``, ``check_finite``."""
+    ``overlap_param_gather``, ``check_finite``, ``reshard_after_forward`` (``zero=3`` only)."""
     import torch
 
     torch.set_num_threads(1)
@@ -81,7 +81,8 @@ def case_torch(rank: int, comm: Any, zero: int, optimizer: str, options: dict[st
     opt = distopt.DistOpt(_optimizer(optimizer, model.parameters()), comm=comm, zero=zero, buffSize=40,
                           model=model, strategy=_strategy(options.get("strategy", "dense")),
                           overlap_param_gather=options.get("overlap_param_gather", False),
-                          check_finite=options.get("check_finite", False))
+                          check_finite=options.get("check_finite", False),
+                          reshard_after_forward=options.get("reshard_after_forward", True) or zero != 3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if options.get("scaler") else None
     norms = []

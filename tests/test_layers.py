@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives", "distopt.array_collectives",
               "distopt.async_collectives", "distopt.autograd")),
-    ("torch", ("distopt.torch", "distopt.sharding.torch_step", "distopt.sharding.torch_state")),
+    ("torch", ("distopt.torch", "distopt.sharding.torch_step", "distopt.sharding.torch_state",
+               "distopt.sharding.torch_full", "distopt.sharding.params", "distopt.sharding.param_hooks")),
     ("step", ("distopt.step", "distopt.sharding")),
     ("strategies", ("distopt.strategies",)),
     ("compress", ("distopt.compress",)),

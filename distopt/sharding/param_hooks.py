@@ -31,7 +31,8 @@ post-backward hooks (Zhao et al., VLDB 2023):
   gathers, loads and keeps what was loaded in the segments.
 
 A parameter used outside the forward of every module whose subtree holds
-it is a 0-element tensor then, and torch raises a shape error. A tensor
+it is freed then: any computation with it raises a RuntimeError naming it
+(:func:`~distopt.sharding.params._freed_class`). A tensor
 that views a parameter but takes no gradient through it (``x @ w.detach()``),
 read in backward after every parameter of its bucket has its gradient,
 would read freed memory; FSDP has the same rule.
@@ -104,6 +105,8 @@ class ModuleHooks:
         returns whole tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
         self._model = model
         self.store.names = [name for name, _ in model.named_modules()]
+        for name, p in model.named_parameters():
+            p._zero3_name = name  # named in the error a freed parameter's use raises
         self._positions = {id(m): i for i, m in enumerate(model.modules())}
         handles = []
         for module in model.modules():

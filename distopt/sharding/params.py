@@ -5,7 +5,9 @@ ZeRO stage 3 (Rajbhandari, Rasley, Ruwase & He, SC 2020) and PyTorch FSDP
 (:mod:`distopt.sharding.plan`; the same plan as stages 1 and 2):
 
 * **at rest** every parameter of the layout is a 0-element tensor of its
-  dtype and device (as FSDP's ``use_orig_params``) and this rank keeps its
+  dtype and device (as FSDP's ``use_orig_params``), of a subclass whose
+  metadata (``shape``, ``grad``, ``requires_grad``) works and whose use in
+  any computation raises an error naming it; this rank keeps its
   segment of each bucket (``segments[b]``: ``plan.counts[b][rank]``
   ELEMENTS), which the local optimizer updates through 1-D views;
 * **gathering** bucket ``b`` re-allocates the storage of its flat buffer
@@ -52,6 +54,33 @@ def raw_array(tensor: Any, dtype: Any) -> Any:
     return np.frombuffer((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()), dtype=dtype)
 
 
+#: Tensor methods a freed parameter still answers (metadata, hooks, hashing); any other use raises.
+_METADATA = frozenset({"numel", "size", "dim", "element_size", "nelement", "is_contiguous", "is_floating_point",
+                       "is_complex", "stride", "data_ptr", "untyped_storage", "get_device", "detach", "__hash__",
+                       "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
+_FREED: dict[type, type] = {}  # a parameter class -> its freed subclass
+
+
+def _freed_class(kind: type) -> type:
+    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata and ``.data`` work,
+    any computation raises a RuntimeError naming it (instead of a shape error on a 0-element tensor)."""
+    if kind not in _FREED:
+        import torch
+
+        def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = getattr(func, "__name__", "")
+            if name in ("__get__", "__set__", "__delete__") or name in _METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+            freed = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, cls)), None)
+            raise RuntimeError(f"zero=3: parameter {getattr(freed, '_zero3_name', '?')!r} is freed between the "
+                               f"forward passes of the modules that hold it, and {name or func}() used it outside "
+                               "them: use it inside a module's forward, or inside `with opt.summon_full_params():`")
+
+        _FREED[kind] = type(f"Freed{kind.__name__}", (kind,), {"__torch_function__": classmethod(__torch_function__)})
+    return _FREED[kind]
+
+
 class ParamShards:
     """A stage-3 model's parameter segments, their gathers and frees (driven by
     :class:`~distopt.sharding.param_hooks.ModuleHooks`).
@@ -85,6 +114,7 @@ class ParamShards:
         self._launch: Any = None
         self._full: list[list[Any]] = []  # per bucket: its parameters' views into the flat buffer
         self._empty: list[Any] = []  # per parameter: its 0-element tensor at rest
+        self._kinds: list[type] = []  # per parameter: its own class (a freed one takes a subclass)
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = 0
         self._peak = 0  # the most BYTES gathered at one time since the last step
@@ -124,6 +154,7 @@ class ParamShards:
             self._full.append([flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots])
             self._views(b)
         self._empty = [torch.empty(0, dtype=t.dtype, device=t.device) for t in self.tensors]
+        self._kinds = [type(t) for t in self.tensors]
         self._segment_arrays = [as_array(seg) for seg in self.segments]
         self.free_all()
 
@@ -170,7 +201,10 @@ class ParamShards:
         """Make bucket ``b``'s parameters views into its flat buffer (made once: a view reads the buffer's
         storage through every resize)."""
         for s, view in zip(self.buckets[b].slots, self._full[b]):
-            self.tensors[s.index].data = view
+            t = self.tensors[s.index]
+            t.data = view
+            if self._kinds:  # made whole again: its own class back
+                t.__class__ = self._kinds[s.index]
 
     def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
@@ -179,7 +213,9 @@ class ParamShards:
         if self._state[b] != _FULL:
             return
         for s in self.buckets[b].slots:
-            self.tensors[s.index].data = self._empty[s.index]
+            t = self.tensors[s.index]
+            t.data = self._empty[s.index]
+            t.__class__ = _freed_class(self._kinds[s.index])
         flat = self._flats[b]
         flat.untyped_storage().resize_(0)
         self._gathered -= flat.nbytes

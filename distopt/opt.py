@@ -79,7 +79,8 @@ class DistOpt(SingaMethods, CollectiveMethods):
             gathered for each module's forward and backward (needs ``model``; ``summon_full_params()``). Dense or
             Half; an elementwise optimizer.
         overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight
-            until the next forward reaches its parameters.
+            until the next forward reaches its parameters (what ``zero=3`` always does: there it changes
+            nothing).
         reshard_after_forward: FSDP's option, for ``zero=3``: True (the default) frees each bucket after the
             forward that used it and gathers it again for backward; False keeps every bucket gathered from
             forward until its gradients are ready (one all-gather per step instead of two, for the memory of

@@ -30,7 +30,7 @@ def _same(ref: list, got: list, world: int, what: str) -> None:
             a, b, c = (np.asarray(x) for x in (a, b, c))
             assert np.array_equal(b, c), f"{what}: rank {r} parameter {i} differs from rank 0's"
             if world <= 2:
-                assert np.array_equal(a, b), f"{what}: rank {r} parameter {i} differs from zero=0 by {np.abs(a - b).max()}"
+                assert np.array_equal(a, b), f"{what}: rank {r} parameter {i} off zero=0's by {np.abs(a - b).max()}"
             else:
                 np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=what)
 

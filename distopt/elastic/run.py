@@ -1,0 +1,159 @@
+"""``distopt.elastic.run``: start or resume ``fn(state)`` in the world torchrun's elastic agent formed.
+
+Membership belongs to torch's elastic agent (``torchrun --nnodes MIN:MAX
+--rdzv-backend c10d``): when a worker dies, or a new node waits at the
+rendezvous, the agents stop every worker, form a new world of the nodes alive,
+and start the workers again. ``run`` makes that restart a rollback to the last
+commit instead of a restart from scratch: at start every rank reports the
+newest commit on its node, the newest one wins, a rank whose node lacks it
+(a node that just joined) receives it by broadcast from the lowest rank that
+holds it, and every rank loads it into its ``State``; the DistOpt built in the
+new world takes the consolidated optimizer state at the new world size, so
+ZeRO shards are re-cut, and the sampler splits the rest of the epoch among the
+new ranks. Only the steps since the last commit are lost.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from ..errors import DistOptError
+from .sampler import ElasticSampler
+from .snapshot import SnapshotDir
+from .state import State
+
+__all__ = ["ElasticLaunchError", "check_launch", "run"]
+
+log = logging.getLogger("distopt")
+T = TypeVar("T")
+
+_MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+_LAUNCH_HINT = ("launch with torchrun's elastic agent, e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "
+                "--nnodes 2:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB "
+                "--max-restarts 10 train.py (docs/elastic.md)")
+
+
+class ElasticLaunchError(DistOptError, ValueError):
+    """:func:`distopt.elastic.run` was started by a launcher that cannot change the world (mpiexec, python -m
+    distopt.launch, plain python), or torchrun without what a restart needs; the message names the fix."""
+
+
+def check_launch(env: Mapping[str, str]) -> str:
+    """The run id of an elastic torchrun launch described by ``env``.
+
+    Raises:
+        ElasticLaunchError: not torchrun (mpiexec: an MPI communicator cannot shrink or grow without ULFM;
+            distopt.launch and plain python: no elastic agent), the default run id ``none`` (commits would be
+            found by an unrelated job), or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` not ``1`` (torch's agent
+            shares one store across restarts and the restarted workers read the previous world's addresses,
+            pytorch/pytorch#135712).
+    """
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        if any(v in env for v in _MPI_VARS):
+            raise ElasticLaunchError("distopt.elastic.run does not work under mpiexec/mpirun: an MPI "
+                                     "communicator cannot lose or gain a process without ULFM; " + _LAUNCH_HINT)
+        if "DISTOPT_JOB_ID" in env:
+            raise ElasticLaunchError("distopt.elastic.run does not work under python -m distopt.launch (its "
+                                     "shared-memory world cannot re-form yet); " + _LAUNCH_HINT)
+        raise ElasticLaunchError("distopt.elastic.run needs torchrun's elastic agent (TORCHELASTIC_RUN_ID is "
+                                 "not set); " + _LAUNCH_HINT)
+    if run_id == "none":
+        raise ElasticLaunchError("distopt.elastic.run needs an explicit --rdzv-id (the run id names the "
+                                 "commits in /dev/shm; 'none' would be shared by unrelated jobs); " + _LAUNCH_HINT)
+    if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        raise ElasticLaunchError("distopt.elastic.run needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                                 "environment: otherwise torch's agent keeps one store across restarts and the "
+                                 "restarted workers connect to the previous world's addresses "
+                                 "(pytorch/pytorch#135712); " + _LAUNCH_HINT)
+    return run_id
+
+
+def _optimizer(state: State) -> Any:
+    from ..opt import DistOpt
+
+    opt = state._objects.get("optimizer")
+    if not isinstance(opt, DistOpt):
+        raise ValueError("distopt.elastic.run: State(optimizer=...) must be the job's distopt.DistOpt, got "
+                         f"{type(opt).__name__}")
+    return opt
+
+
+def _restore(state: State, opt: Any, snapshots: SnapshotDir) -> int | None:
+    """Agree on the newest commit of the world and load it; its sequence number, or None for a fresh start."""
+    newest = snapshots.newest()
+    seqs = opt.all_gather_object(-1 if newest is None else newest[0])
+    best = max(seqs)
+    if best < 0:
+        return None
+    if all(s == best for s in seqs):
+        payload = newest[1].read_bytes()
+    else:
+        holder = seqs.index(best)
+        mine = newest[1].read_bytes() if opt.global_rank == holder else None
+        payload = opt.broadcast_object(mine, root=holder)
+    state._load(payload)
+    return best
+
+
+def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "/dev/shm") -> Any:
+    """Decorate ``fn(state, *args, **kwargs)`` so that it resumes from the last commit after a world change
+    (``@run`` or ``@run(commit_dir=...)``).
+
+    Args:
+        fn: the training function; its first argument is the :class:`~distopt.elastic.State`.
+        commit_dir: where each node keeps its commits: a node-local directory, memory-backed
+            (``/dev/shm``) so that a commit costs no disk write; the run's files go in a subdirectory
+            named by the run id.
+
+    On every (re)start, before ``fn``: the world's newest commit is restored (see the module docstring),
+    every :class:`~distopt.elastic.ElasticSampler` in the state is reset to this rank and world size, and
+    when a commit was restored the reset callbacks run. Then ``fn(state)`` runs; when a peer is lost its
+    collective raises a :class:`~distopt.errors.DistOptError` (at once when the peer's process died: the
+    transport reports the closed connection); ``run`` logs it and lets it end the process, so that
+    torchrun's agent re-forms the world and restarts this worker, which resumes here. After ``fn`` returns
+    on every rank, the run's commits are removed from shared memory.
+
+    Raises:
+        ElasticLaunchError: see :func:`check_launch`.
+        ValueError: ``state.optimizer`` is not a :class:`distopt.DistOpt`.
+    """
+    if fn is None:
+        return functools.partial(run, commit_dir=commit_dir)
+
+    @functools.wraps(fn)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
+        run_id = check_launch(os.environ)
+        opt = _optimizer(state)
+        snapshots = SnapshotDir(run_id, commit_dir)
+        writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        state._attach(snapshots if writer else None, opt.global_rank)
+        began = time.time()
+        seq = _restore(state, opt, snapshots)
+        for obj in state._objects.values():
+            if isinstance(obj, ElasticSampler):
+                obj.reset(opt.global_rank, opt.world_size)
+        if seq is not None:
+            state._reset()
+            if opt.global_rank == 0:
+                log.warning("distopt.elastic: restored commit %d into a world of %d (restart %s) in %.2f s",
+                            seq, opt.world_size, os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+                            time.time() - began)
+        try:
+            result = fn(state, *args, **kwargs)
+        except DistOptError as exc:
+            sys.stderr.write(f"distopt.elastic: rank {opt.global_rank} of {opt.world_size} lost the world "
+                             f"({type(exc).__name__}: {str(exc)[:300]}); exiting so that torchrun re-forms the "
+                             f"world and resumes from commit {state.commits}\n")
+            raise
+        opt.all_gather_object(None)  # every rank is done reading the commits before they go
+        if writer:
+            snapshots.remove()
+        return result
+
+    return wrapper

@@ -1,0 +1,154 @@
+"""distopt.elastic's pure parts, in process: the sampler's arithmetic, the commit files, State, the launch check."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distopt.elastic import ElasticLaunchError, ElasticSampler, SnapshotDir, State, check_launch
+
+pytestmark = pytest.mark.unit
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job7", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _consume(sampler: ElasticSampler, world: int, steps: int) -> list[int]:
+    """``steps`` steps of every rank of a world of ``world`` (each rank's own sampler state, as on a job)."""
+    ranks = [ElasticSampler(sampler.num_samples, sampler.batch_size, seed=sampler.seed, rank=r, world_size=world)
+             for r in range(world)]
+    for s in ranks:
+        s.load_state_dict(sampler.state_dict())
+    seen: list[int] = []
+    iters = [iter(s) for s in ranks]
+    for _ in range(steps):
+        for it in iters:
+            seen.extend(next(it))
+        for s in ranks:
+            s.record_batch()
+    sampler.load_state_dict(ranks[0].state_dict())
+    return seen
+
+
+@pytest.mark.parametrize("worlds", [(3, 2), (2, 3), (4, 1, 3), (1, 4)])
+def test_sampler_every_sample_once_across_world_changes(worlds: tuple[int, ...]) -> None:
+    sampler = ElasticSampler(50, 3, seed=5)
+    seen: list[int] = []
+    for world in worlds[:-1]:
+        seen += _consume(sampler, world, 2)
+    seen += _consume(sampler, worlds[-1], -(-(50 - sampler.processed) // (3 * worlds[-1])))
+    assert sorted(seen) == list(range(50))
+    assert sampler.processed == 50 and len(sampler) == 0
+
+
+def test_sampler_order_is_the_world_independent_permutation() -> None:
+    a, b = ElasticSampler(20, 2, seed=3, world_size=2), ElasticSampler(20, 5, seed=3, rank=2, world_size=4)
+    np.testing.assert_array_equal(a.order(), b.order())
+    np.testing.assert_array_equal(a.order(), np.random.default_rng((3, 0)).permutation(20))
+    a.set_epoch(1)
+    assert not np.array_equal(a.order(), b.order())
+    assert list(ElasticSampler(6, 2, shuffle=False, rank=1, world_size=2)) == [[1, 3], [5]]
+
+
+def test_sampler_last_window_uneven_and_empty_share() -> None:
+    s = ElasticSampler(7, 2, shuffle=False, rank=2, world_size=3)
+    assert list(s) == [[2, 5], []] and len(s) == 2  # the second window holds sample 6 alone
+    s = ElasticSampler(7, 1, shuffle=False, rank=2, world_size=3)
+    assert list(s) == [[2], [5], []] and len(s) == 3
+
+
+def test_sampler_set_epoch_keeps_a_restored_position() -> None:
+    s = ElasticSampler(10, 2)
+    s.record_batch()
+    s.set_epoch(0)
+    assert s.processed == 2
+    s.set_epoch(1)
+    assert (s.epoch, s.processed) == (1, 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_samples=0, batch_size=2), "num_samples must be a positive int"),
+    (dict(num_samples=4, batch_size=2.0), "batch_size must be a positive int"),
+    (dict(num_samples=4, batch_size=2, seed=-1), "seed must be an int >= 0"),
+    (dict(num_samples=4, batch_size=2, rank=2, world_size=2), r"rank must be an int in \[0, 2\)"),
+])
+def test_sampler_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ElasticSampler(**kwargs)
+
+
+def test_sampler_refuses_a_state_of_another_dataset() -> None:
+    with pytest.raises(ValueError, match="num_samples=10, seed=0; this sampler has num_samples=12"):
+        ElasticSampler(12, 2).load_state_dict(ElasticSampler(10, 2).state_dict())
+
+
+def test_snapshot_dir_keeps_the_newest_commit_per_rank(tmp_path: Path) -> None:
+    d = SnapshotDir("job", tmp_path)
+    assert d.newest() is None
+    d.write(1, 0, b"one")
+    d.write(1, 1, b"one")
+    d.write(2, 0, b"two")
+    names = sorted(p.name for p in d.path.iterdir())
+    assert names == ["commit-1.rank1.pt", "commit-2.rank0.pt"]
+    seq, path = d.newest()
+    assert seq == 2 and path.read_bytes() == b"two"
+    d.remove()
+    assert not d.path.exists() and d.newest() is None
+
+
+@pytest.mark.parametrize("run_id", ["", "a/b", ".."])
+def test_snapshot_dir_refuses_a_path_as_run_id(run_id: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the run id must be a plain name"):
+        SnapshotDir(run_id, tmp_path)
+
+
+def test_state_commit_restore_round_trip_is_a_copy() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = ElasticSampler(8, 2)
+    state = State(model=model, optimizer=opt, sampler=sampler, epoch=0, step=4)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state.commit()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state[model.weight]["momentum_buffer"].clone()
+    opt.step()  # live tensors move on; the commit must not
+    sampler.record_batch()
+    state.epoch, state.step = 1, 9
+    state.restore()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
+    assert (state.epoch, state.step, sampler.processed, state.commits) == (0, 4, 0, 1)
+
+
+def test_state_errors() -> None:
+    with pytest.raises(RuntimeError, match="nothing was committed yet"):
+        State(epoch=0).restore()
+    with pytest.raises(ValueError, match=r"value names \['commit'\] are taken"):
+        State(commit=1)
+    state = State(epoch=0)
+    with pytest.raises(AttributeError, match="'batch' is not a plain value"):
+        state.batch = 3
+    with pytest.raises(AttributeError, match="has no value 'batch'"):
+        _ = state.batch
+
+
+def test_check_launch_accepts_elastic_torchrun() -> None:
+    assert check_launch(TORCHRUN) == "job7"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"PMI_RANK": "0"}, "does not work under mpiexec/mpirun: an MPI communicator cannot lose or gain"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "does not work under mpiexec"),
+    ({"DISTOPT_JOB_ID": "x", "RANK": "0"}, "does not work under python -m distopt.launch"),
+    ({}, "needs torchrun's elastic agent"),
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}, "needs an explicit --rdzv-id"),
+    ({"TORCHELASTIC_RUN_ID": "j"}, "needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
+])
+def test_check_launch_refuses_what_cannot_be_elastic(env: dict, match: str) -> None:
+    with pytest.raises(ElasticLaunchError, match=match) as info:
+        check_launch(env)
+    assert "torchrun --nnodes" in str(info.value)

@@ -1,0 +1,125 @@
+"""A torchrun elastic job on one machine, for the tests and the benchmark: agents that can be killed one by one.
+
+The rendezvous store is hosted here (a c10d ``TCPStore``), and every agent is
+started with ``--rdzv-conf is_host=0``, so any agent, the first one included,
+can be killed without taking the store down (as when the store runs on a
+machine of its own). Each agent runs one worker (``--nproc-per-node 1``): an
+agent and its worker together are one "node". The agents' keep-alive is 1 s
+with 3 misses, so a killed node leaves the rendezvous within about 3 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed import TCPStore
+
+from .harness import ROOT
+from .torch_workers import free_port
+
+__all__ = ["ElasticJob", "read_steps"]
+
+
+def read_steps(out: Path) -> list[dict]:
+    """Every JSON line the workers of ``elastic_train.py`` wrote, in file order per worker."""
+    rows = []
+    for f in sorted(out.glob("steps.*.jsonl")):
+        rows.extend(json.loads(line) for line in f.read_text().splitlines() if line.strip())
+    return rows
+
+
+class ElasticJob:
+    """Agents of ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` running ``script`` with ``args``.
+
+    Args:
+        out: a fresh directory; the agents' logs go to ``out/agent<i>.log``.
+        script: the training script; ``args`` follow it.
+        nnodes: torchrun's ``--nnodes`` (``"2:3"``).
+        run_id: ``--rdzv-id`` (it also names the commits in ``/dev/shm``).
+    """
+
+    def __init__(self, out: Path, script: Path, args: list[str], *, nnodes: str, run_id: str,
+                 max_restarts: int = 3) -> None:
+        self.out, self.script, self.args = out, script, args
+        self.nnodes, self.run_id, self.max_restarts = nnodes, run_id, max_restarts
+        self.port = free_port()
+        self.store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.agents: list[subprocess.Popen] = []
+
+    def add_agent(self, node: int) -> subprocess.Popen:
+        """Start one more agent (a node of one worker) whose commits go to ``out/../node<node>`` (a node's
+        directory outlives one job: a reference run's second job resumes from it); returns its process."""
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+               "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.2",
+               "--rdzv-conf", "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+               str(self.script), str(self.out), "--commit-dir", str(self.out.parent / f"node{node}"), *self.args]
+        log = open(self.out / f"agent{len(self.agents)}.log", "w")
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        self.agents.append(agent)
+        return agent
+
+    def wait_for(self, path: Path, timeout: float) -> str:
+        """The text of ``path`` once a worker wrote it; AssertionError naming the logs after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {path.name} after {timeout:.0f} s\n{self.report()}")
+            time.sleep(0.05)
+        time.sleep(0.05)
+        return path.read_text()
+
+    def kill_node(self, paused: Path) -> None:
+        """SIGKILL the worker that wrote ``paused`` (``"pid agent_pid"``) and its agent."""
+        pid, agent = (int(v) for v in self.wait_for(paused, 60).split())
+        os.kill(agent, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> list[int]:
+        """The agents' exit codes; on overrun every process is killed and an AssertionError names the ranks
+        whose workers stalled (their last logged step) with the agents' log tails."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for agent in self.agents:
+            try:
+                codes.append(agent.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                report = self.report()
+                self.close()
+                raise AssertionError(f"the elastic job overran {timeout:.0f} s\n{report}") from None
+        return codes
+
+    def report(self) -> str:
+        """Each worker's last logged event (by world and rank), then the tail of every agent's log."""
+        last: dict[tuple, dict] = {}
+        for row in read_steps(self.out):
+            last[(row["restart"], row["world"], row["rank"])] = row
+        lines = [f"restart {r} world {w} rank {k}: last {row.get('event')} at step {row.get('step')}"
+                 for (r, w, k), row in sorted(last.items())]
+        for i in range(len(self.agents)):
+            text = (self.out / f"agent{i}.log").read_text(errors="replace")
+            lines.append(f"--- agent{i}.log tail ---\n{text[-2500:]}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """Kill every agent and every worker still alive (workers run in sessions of their own)."""
+        for agent in self.agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        for f in self.out.glob("steps.*.jsonl"):
+            pid = int(f.name.split(".")[1])
+            try:  # only a process still running this script (a finished worker's pid may be reused)
+                if self.script.name in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        self.store = None

@@ -273,3 +273,20 @@ def test_zero3_targets_read_zero3_py_results():
     assert ddp == pytest.approx(1.2) and ddp_met and fsdp == pytest.approx(0.6) and not fsdp_met
     assert rss == pytest.approx(0.9) and rss_met
     assert [row[2] for row in targets.zero3_rows(None)] == [None, None, None]
+
+
+@pytest.mark.job
+def test_elastic_benchmark_smoke(tmp_path):
+    """``benchmarks/elastic.py`` on a tiny GPT: three torchrun agents, one killed; every figure is written, the
+    two survivors saw the loss and stepped again, and the times are in order (detection before recovery)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "elastic.json"
+    res = subprocess.run([sys.executable, str(BENCH / "elastic.py"), "--gpt", "256,32,2,1,16,2", "--steps", "8",
+                          "--every", "2", "--timeout", "200", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=260)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rec = _load(out, "elastic")["results"]
+    assert rec["survivors_lost"] == 2, rec
+    assert 0 < rec["detect_s"] < rec["kill_to_step_s"] and 0 < rec["recovery_s"] <= rec["kill_to_step_s"], rec
+    assert rec["commit_bytes"] > 0 and rec["commit_ms"] > 0 and rec["worker_start_s"] > 0, rec
+    assert rec["step_ms_world3"] > 0 and rec["step_ms_world2"] > 0, rec

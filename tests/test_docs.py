@@ -562,6 +562,27 @@ def check_torchrun(block: Block, tmp_path: Path) -> None:
     _check_cnn_args(_script_args(block, "examples/cnn_mpi.py"), tmp_path)
 
 
+def check_torchrun_elastic(block: Block, tmp_path: Path) -> None:
+    """torchrun's parser takes the page's flags; the page's script then runs under an elastic torchrun on this
+    machine (one agent of 2 workers, c10d rendezvous, the page's ``--rdzv-conf``) and finishes."""
+    import uuid
+
+    from tests.support.torch_workers import free_port
+
+    run = pytest.importorskip("torch.distributed.run")
+    (argv,) = _commands(block)
+    assert argv[:2] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun"], argv
+    ns = run.get_args_parser().parse_args(argv[2:])
+    assert (ns.rdzv_backend, ns.nnodes, ns.rdzv_id) == ("c10d", "2:4", "job42"), ns
+    (tmp_path / ns.training_script).write_text(_file_block(ns.training_script).code)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id",
+           f"docs-{uuid.uuid4().hex[:8]}", "--rdzv-conf", ns.rdzv_conf, "--max-restarts", "0", ns.training_script]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), capture_output=True,
+                         text=True, timeout=150)
+    assert res.returncode == 0 and "done in a world of 2" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
 def check_strategy_runs(block: Block, tmp_path: Path) -> None:
     """Each strategy command parses; the table below it lists the same settings."""
     args = _script_args(block, "examples/cnn_mpi.py")
@@ -634,6 +655,7 @@ CHECKS = {
     "torchrun": check_torchrun,
     "torchrun-nodes": check_torchrun,
     "torchrun-two-hosts": check_torchrun,
+    "torchrun-elastic": check_torchrun_elastic,
     "mpich-tcp": check_mpich_tcp,
     "netsim-runs": check_netsim_runs,
     "strategy-runs": check_strategy_runs,
@@ -641,10 +663,11 @@ CHECKS = {
     "docs-build": check_docs_build,
 }
 #: ``file=`` blocks that a command check reads.
-FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py"}
+FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py", "elastic_mlp.py"}
 #: The checks that start a job (mpiexec, the launcher, the site build); the others parse the commands
 #: with the scripts' own parsers in this process (the ``unit`` tier).
-JOB_CHECKS = {"first-cpu-run", "mpiexec-one-node", "mpich-hostfile", "distopt-launch", "docs-build"}
+JOB_CHECKS = {"first-cpu-run", "mpiexec-one-node", "mpich-hostfile", "distopt-launch", "docs-build",
+              "torchrun-elastic"}
 
 
 def _check_marks(cmd_id: str) -> list[pytest.MarkDecorator]:

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 
 #: Layers from the top (the face) down; a module may import its own layer or any layer below it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("elastic", ("distopt.elastic",)),
     ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives", "distopt.array_collectives",
               "distopt.async_collectives", "distopt.autograd")),
     ("torch", ("distopt.torch", "distopt.sharding.torch_step", "distopt.sharding.torch_state",

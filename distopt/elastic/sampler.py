@@ -41,7 +41,8 @@ class ElasticSampler:
             ``world_size`` samples are left (the step should still be taken so that the ranks stay together).
         shuffle: a fresh permutation per epoch (``default_rng((seed, epoch))``); ``False`` keeps ``0..n-1``.
         seed: the permutation's seed, the same on every rank.
-        rank, world_size: this process's place; :meth:`reset` changes them.
+        rank: this process's rank in the current world; :meth:`reset` changes it.
+        world_size: the number of processes in the current world; :meth:`reset` changes it.
 
     Raises:
         ValueError: a size, rank or seed that is not a valid int, a rank outside ``[0, world_size)``.

@@ -164,3 +164,58 @@ def case_errors(rank: int, comm: Any) -> dict[str, str]:
     model[0].weight.requires_grad_(False)
     attempt("layout change", step)
     return out
+
+
+def _dump(obj: Any) -> bytes:
+    import io
+
+    import torch
+
+    f = io.BytesIO()
+    torch.save(obj, f)
+    return f.getvalue()
+
+
+def case_gpt_train(rank: int, comm: Any, zero: int, optimizer: str, start: bytes | None,
+                   shards: list[bytes] | None, first: int, steps: int) -> dict[str, Any]:
+    """The GPT-style model (embeddings, attention, LayerNorm, a tied head) trained from step ``first`` for
+    ``steps`` steps, each with one ``no_sync`` micro-batch accumulated before the synchronised one and
+    clipping at 0.5; ``optimizer`` is ``"sgd"`` (momentum 0.9, weight decay) or ``"adamw"``. Loads the
+    consolidated checkpoint ``start`` or the list of every rank's sharded checkpoints ``shards`` first when
+    given. Returns the whole parameters, the consolidated checkpoint and this rank's sharded one
+    (``zero > 0``)."""
+    import io
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    model = _gpt()
+    local = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2) \
+        if optimizer == "sgd" else torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
+                                                     weight_decay=0.1)
+    opt = distopt.DistOpt(local, comm=comm, zero=zero, buffSize=600, model=model)
+    if start is not None:
+        saved = torch.load(io.BytesIO(start), weights_only=True)
+        model.load_state_dict(saved.pop("distopt_model"))
+        opt.load_state_dict(saved)
+    elif shards is not None:
+        saved = [torch.load(io.BytesIO(b), weights_only=True) for b in shards]
+        model.load_state_dict(saved[0]["distopt_model"])
+        opt.load_state_dict([{k: v for k, v in s.items() if k != "distopt_model"} for s in saved])
+
+    def loss_of(step: int, micro: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+        tokens = torch.randint(0, 37, (3, 9), generator=g)
+        return F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 37), tokens[:, 1:].reshape(-1))
+
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        with opt.no_sync():
+            loss_of(s, 1).backward()
+        loss_of(s, 0).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+    return {"params": _params(model, opt),
+            "full": _dump({**opt.state_dict(), "distopt_model": model.state_dict()}),
+            "shard": _dump({**opt.state_dict(sharded=True), "distopt_model": model.state_dict()}) if zero else None}

@@ -15,8 +15,9 @@ wire carries what a reduce-scatter carries. On CUDA (NCCL) it is one
 when the counts differ.
 
 ``all_gather_into`` with equal counts is one ``all_gather_single`` (once ``all_gather_into_tensor``) whose
-output is the caller's array itself (its input: a copy of this rank's
-segment). With unequal counts (gloo's list all-gather refuses unequal sizes)
+output is the caller's array itself and whose input is this rank's segment
+of it (no copy: gloo gathers into a buffer of its own and copies it back,
+NCCL gathers in place). With unequal counts (gloo's list all-gather refuses unequal sizes)
 it gathers a copy of this rank's segment padded to ``max(counts)`` elements
 into a new ``(size, max(counts))`` tensor and copies every segment back into
 ``array``. ``all_to_all`` is one ``all_to_all_single`` into a new tensor.
@@ -161,8 +162,8 @@ class TorchShards:
             return None, lambda: t.array
         starts = [sum(counts[:r]) for r in range(self.size)]
         mine = t.flat[starts[self.rank]:starts[self.rank] + counts[self.rank]]
-        if min(counts) == width:
-            inp, out = mine.clone(), t.flat  # gathered straight into the caller's array
+        if min(counts) == width:  # gathered straight into the caller's array, from its own segment (gloo
+            inp, out = mine, t.flat  # gathers into a buffer of its own first; NCCL gathers in place)
         else:
             inp, out = t.flat.new_zeros(width), t.new(self.size * width)
             inp[:mine.numel()] = mine

@@ -13,7 +13,9 @@ post-backward hooks (Zhao et al., VLDB 2023):
 * **forward**: a module's pre-hook frees the gathered buckets that no
   running module needs, gathers its unit and starts the gather of the next
   unit (in the first forward's order) that needs a bucket not yet gathered
-  (prefetch). A module with an empty unit (a container) does nothing. When
+  (prefetch), and announces the unit after that one, whose gather the next
+  module starts once every rank has announced the same (so the ranks need
+  not meet before each module). A module with an empty unit (a container) does nothing. When
   the outermost module returns, everything is freed but, with gradients
   on, the buckets of the last unit and of the one before it, which
   backward needs first;
@@ -69,8 +71,10 @@ class ModuleHooks:
         self._done: list[set[int]] = [set() for _ in store.buckets]  # per bucket: parameters with their gradient
         self._units: dict[int, tuple[int, ...]] | None = None  # id(module) -> its unit's buckets; None: not learnt
         self._fired: list[Any] = []
-        self._next: dict[int, tuple[int, ...]] = {}
-        self._prev: dict[int, tuple[int, ...]] = {}
+        self._next: dict[int, tuple[int, ...]] = {}  # id(module) -> the forward's prefetch at its start
+        self._prev: dict[int, tuple[int, ...]] = {}  # the same in backward (the forward's order reversed)
+        self._next2: dict[int, tuple[int, ...]] = {}  # the prefetch after that one (announced, started next)
+        self._prev2: dict[int, tuple[int, ...]] = {}
         self._stack: list[Any] = []
         self._last: Any = None
         self._depth = 0  # nesting of state_dict / load_state_dict calls
@@ -150,8 +154,10 @@ class ModuleHooks:
         self._units = {k: tuple(sorted(v)) for k, v in units.items()}
         order = [self._units[id(m)] for m in self._fired if self._units.get(id(m))]
         for i, m in enumerate(m for m in self._fired if self._units.get(id(m))):
-            self._next[id(m)] = self._ahead(order[i], order[i + 1:])
-            self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
+            for ahead, later, units in ((self._next, self._next2, order[i + 1:]),
+                                        (self._prev, self._prev2, order[:i][::-1])):
+                ahead[id(m)] = self._ahead(order[i], units)
+                later[id(m)] = self._ahead(order[i] + ahead[id(m)], units)
         for m in self._fired:
             self._units.setdefault(id(m), ())
 
@@ -187,7 +193,7 @@ class ModuleHooks:
         if self.reshard or not torch.is_grad_enabled():
             self.store.free_all(keep={*need, *ahead, *(b for m in self._stack for b in self._unit(m))})
         self._last = module
-        self.store.gather(0, self._position(module), need, ahead)
+        self.store.gather(0, self._position(module), need, ahead, self._next2.get(id(module), ()))
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:  # noqa: ARG002
         import torch
@@ -215,7 +221,8 @@ class ModuleHooks:
         self.store.free_all(keep=(*self._unit(last), *self._prev.get(id(last), ())) if grad and last else ())
 
     def _pre_backward(self, module: Any) -> None:
-        self.store.gather(1, self._position(module), self._unit(module), self._prev.get(id(module), ()))
+        self.store.gather(1, self._position(module), self._unit(module), self._prev.get(id(module), ()),
+                          self._prev2.get(id(module), ()))
 
     def _grad_done(self, tensor: Any) -> None:
         b = self.store.bucket_of[id(tensor)]

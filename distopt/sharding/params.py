@@ -38,6 +38,8 @@ __all__ = ["ParamShards", "raw_array"]
 
 _FREE, _PENDING, _FULL = 0, 1, 2
 _PHASES = ("forward", "backward", "summon_full_params/state_dict")
+_KINDS = ("starting", "announcing")
+_CHECK_WORDS = 6  # int64 words of one rank's gather check
 
 
 def raw_array(tensor: Any, dtype: Any) -> Any:
@@ -118,6 +120,7 @@ class ParamShards:
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = 0
         self._peak = 0  # the most BYTES gathered at one time since the last step
+        self._announced: tuple[Any, int, list[int]] | None = None  # (check in flight, phase, buckets)
 
     # ------------------------------------------------------------ segments
     def shard(self, tensors: Sequence[Any], buckets: Sequence[Bucket], plan: ShardPlan,
@@ -159,7 +162,12 @@ class ParamShards:
         self.free_all()
 
     def step_done(self) -> None:
-        """At the end of a step: free everything and report the step's peak of gathered bytes."""
+        """At the end of a step: verify a gather still announced (without starting it), free everything and
+        report the step's peak of gathered bytes."""
+        if self._announced is not None:
+            handle, phase, _ = self._announced
+            self._announced = None
+            self._verify(handle, phase)
         self.free_all()
         self.counters.gathered_bytes_peak, self._peak = self._peak, self._gathered
 
@@ -221,42 +229,77 @@ class ParamShards:
         self._gathered -= flat.nbytes
         self._state[b] = _FREE
 
-    def _agree(self, phase: int, where: int, buckets: Sequence[int]) -> None:
-        """Check, in one small all-gather, that every rank is about to gather the same buckets for the same
-        module (position ``where`` in :attr:`names`, -1: none) and pass (a module run on some ranks only
-        would pair different collectives).
+    def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:
+        """A gather check's words (``_CHECK_WORDS`` int64): a start or an announcement, the pass, the module
+        and a digest of the buckets, in this rank's slot of a new ``(size * _CHECK_WORDS,)`` array, started
+        gathering (the same collective whether it is waited at once or at the next gather)."""
+        size, rank = self.comm.size, self.comm.rank
+        words = np.zeros(size * _CHECK_WORDS, dtype=np.int64)
+        words[rank * _CHECK_WORDS:(rank + 1) * _CHECK_WORDS] = (
+            kind, phase, where, len(buckets), min(buckets), sum((b + 1) * (b + 7) for b in buckets))
+        with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
+            return self._launch.gather(words, [_CHECK_WORDS] * size)
+
+    def _verify(self, handle: Any, phase: int) -> None:
+        """Wait for a gather check and compare every rank's words.
 
         Raises:
             CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets.
         """
-        mine = np.array([phase, where, len(buckets), min(buckets), max(buckets),
-                         sum((b + 1) * (b + 7) for b in buckets)], dtype=np.int64)
         with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
-            everyone = self._launch.call(self.comm.all_gather, mine)
+            everyone = np.asarray(handle.wait()).reshape(self.comm.size, _CHECK_WORDS)
         if (everyone == everyone[0]).all():
             return
         names = dict(enumerate(n or "the model" for n in self.names))
-        seen = "; ".join(f"rank {r}: {_PHASES[int(row[0])]} of module {names.get(int(row[1]), 'none')!r}, "
-                         f"{int(row[2])} bucket(s) from {int(row[3])}" for r, row in enumerate(everyone))
+        seen = "; ".join(f"rank {r}: {_PHASES[int(row[1])]} of module {names.get(int(row[2]), 'none')!r}, "
+                         f"{_KINDS[int(row[0])]} {int(row[3])} bucket(s) from {int(row[4])}"
+                         for r, row in enumerate(everyone))
         raise CollectiveMismatchError(f"zero=3: the ranks gather different parameters ({seen}): a module's "
                                       "forward or backward ran on some ranks only; every rank must run the same "
                                       "modules in the same order")
 
-    def gather(self, phase: int, where: int, need: Sequence[int], ahead: Sequence[int] = ()) -> None:
-        """Start the gathers of ``need`` and ``ahead`` that are free (agreed across ranks first,
-        :meth:`_agree`), then complete those of ``need`` (collective).
+    def _start_announced(self) -> None:
+        """Verify the gathers the last :meth:`gather` announced and start them (every rank announced the same
+        free buckets, and nothing gathers between an announcement and this)."""
+        if self._announced is None:
+            return
+        handle, phase, buckets = self._announced
+        self._announced = None
+        self._verify(handle, phase)
+        for b in buckets:
+            self._start(b)
+
+    def gather(self, phase: int, where: int, need: Sequence[int], ahead: Sequence[int] = (),
+               later: Sequence[int] = ()) -> None:
+        """Start the gathers announced by the last call, start those of ``need`` and ``ahead`` that are
+        still free (checked across ranks first), announce those of ``later``, then complete ``need``
+        (collective).
+
+        Every gather is checked across ranks before it starts, so that a module run on some ranks only
+        raises instead of pairing different collectives (a size mismatch aborts gloo's process). A start
+        not announced waits for its check; an announcement is checked at the next call, so with
+        ``later`` (the prefetch after ``ahead``) the ranks do not wait for each other at every module.
 
         Args:
             phase: 0 forward, 1 backward, 2 everything (``summon_full_params``, ``state_dict``).
             where: the module's position in :attr:`names` (-1: none).
             need: buckets needed whole now.
-            ahead: buckets to prefetch.
+            ahead: buckets to prefetch now.
+            later: buckets to prefetch at the next call (announced now).
+
+        Raises:
+            CollectiveMismatchError: the ranks gather different buckets or for different modules (on
+                every rank).
         """
+        self._start_announced()
         starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] == _FREE]
         if starting:
-            self._agree(phase, where, starting)
+            self._verify(self._words(0, phase, where, starting), phase)
             for b in starting:
                 self._start(b)
+        coming = [b for b in dict.fromkeys(later) if self._state[b] == _FREE]
+        if coming:
+            self._announced = (self._words(1, phase, where, coming), phase, coming)
         for b in need:
             self._finish(b)
 

@@ -175,6 +175,14 @@ def test_zero3_module_run_on_one_rank_only_raises_on_every_rank(backend):
         assert "zero=3: the ranks gather different parameters" in m and "rank 0: forward of module '2'" in m, m
 
 
+@pytest.mark.parametrize("backend", tiered(["sim", "mpi", "shm", "torch"]))
+def test_zero3_layer_skipped_on_one_rank_inside_forward_raises_on_every_rank(backend):
+    messages = run_case(backend, 2, cases3.case_one_rank_skips_a_layer, timeout=60)
+    for m in messages:
+        assert "zero=3: the ranks gather different parameters" in m, m
+        assert "rank 0: forward of module '2'" in m and "rank 1: forward of module '3'" in m, m
+
+
 @pytest.mark.unit
 def test_zero3_misuse_raises_on_every_rank():
     for out in run_case("sim", 2, cases3.case_errors):

@@ -121,6 +121,31 @@ def case_one_rank_forward(rank: int, comm: Any) -> str:
     return "no error"
 
 
+def case_one_rank_skips_a_layer(rank: int, comm: Any) -> str:
+    """Four layers; at step 2 rank 1's forward skips the third (a data-dependent branch on one rank only):
+    the gathers that follow differ, and every rank raises before any of them moves (a gather check or an
+    announcement of the prefetch)."""
+    import torch
+
+    torch.set_num_threads(1)
+    layers = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(4))
+    opt = distopt.DistOpt(torch.optim.SGD(layers.parameters(), lr=0.1), comm=comm, zero=3, buffSize=36,
+                          model=layers)
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for s in range(4):
+            x = torch.randn(3, 6, generator=g)
+            for i, layer in enumerate(layers):
+                if not (s == 2 and rank == 1 and i == 2):
+                    x = torch.tanh(layer(x))
+            opt.zero_grad()
+            x.pow(2).mean().backward()
+            opt.step()
+    except distopt.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def case_errors(rank: int, comm: Any) -> dict[str, str]:
     """What a misuse raises: a layout change, ``join()``, a parameter used outside its module's forward,
     ``summon_full_params`` inside a forward."""

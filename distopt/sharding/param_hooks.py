@@ -13,9 +13,9 @@ post-backward hooks (Zhao et al., VLDB 2023):
 * **forward**: a module's pre-hook frees the gathered buckets that no
   running module needs, gathers its unit and starts the gather of the next
   unit (in the first forward's order) that needs a bucket not yet gathered
-  (prefetch), and announces the unit after that one, whose gather the next
-  module starts once every rank has announced the same (so the ranks need
-  not meet before each module). A module with an empty unit (a container) does nothing. When
+  (prefetch), and announces the prefetch of the module that runs after it,
+  which that module starts once every rank has announced the same (so the
+  ranks need not meet in a check before each gather). A module with an empty unit (a container) does nothing. When
   the outermost module returns, everything is freed but, with gradients
   on, the buckets of the last unit and of the one before it, which
   backward needs first;
@@ -73,7 +73,7 @@ class ModuleHooks:
         self._fired: list[Any] = []
         self._next: dict[int, tuple[int, ...]] = {}  # id(module) -> the forward's prefetch at its start
         self._prev: dict[int, tuple[int, ...]] = {}  # the same in backward (the forward's order reversed)
-        self._next2: dict[int, tuple[int, ...]] = {}  # the prefetch after that one (announced, started next)
+        self._next2: dict[int, tuple[int, ...]] = {}  # the next module's prefetch (announced here, started there)
         self._prev2: dict[int, tuple[int, ...]] = {}
         self._stack: list[Any] = []
         self._last: Any = None
@@ -152,12 +152,14 @@ class ModuleHooks:
 
         walk(self._model, self._model)
         self._units = {k: tuple(sorted(v)) for k, v in units.items()}
-        order = [self._units[id(m)] for m in self._fired if self._units.get(id(m))]
-        for i, m in enumerate(m for m in self._fired if self._units.get(id(m))):
-            for ahead, later, units in ((self._next, self._next2, order[i + 1:]),
-                                        (self._prev, self._prev2, order[:i][::-1])):
-                ahead[id(m)] = self._ahead(order[i], units)
-                later[id(m)] = self._ahead(order[i] + ahead[id(m)], units)
+        fired = [m for m in self._fired if self._units.get(id(m))]
+        order = [self._units[id(m)] for m in fired]
+        for i, m in enumerate(fired):
+            self._next[id(m)] = self._ahead(order[i], order[i + 1:])
+            self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
+        for i, m in enumerate(fired):  # what the module after this one (in each pass's order) prefetches
+            self._next2[id(m)] = self._next[id(fired[i + 1])] if i + 1 < len(fired) else ()
+            self._prev2[id(m)] = self._prev[id(fired[i - 1])] if i else ()
         for m in self._fired:
             self._units.setdefault(id(m), ())
 

@@ -278,14 +278,14 @@ class ParamShards:
         Every gather is checked across ranks before it starts, so that a module run on some ranks only
         raises instead of pairing different collectives (a size mismatch aborts gloo's process). A start
         not announced waits for its check; an announcement is checked at the next call, so with
-        ``later`` (the prefetch after ``ahead``) the ranks do not wait for each other at every module.
+        ``later`` (the next module's prefetch) the ranks do not wait for each other at every module.
 
         Args:
             phase: 0 forward, 1 backward, 2 everything (``summon_full_params``, ``state_dict``).
             where: the module's position in :attr:`names` (-1: none).
             need: buckets needed whole now.
             ahead: buckets to prefetch now.
-            later: buckets to prefetch at the next call (announced now).
+            later: buckets the next call prefetches (announced now, started there).
 
         Raises:
             CollectiveMismatchError: the ranks gather different buckets or for different modules (on

@@ -59,6 +59,8 @@ def test_zero3_without_reshard_after_forward_gathers_once_per_step(world):
     # the first step gathers everything once; each later step once (False) or in forward and backward (True)
     assert kept[0]["stats"]["gather_bytes"] == cases.STEPS * full + full  # + summon_full_params at the end
     assert resharded[0]["stats"]["gather_bytes"] > kept[0]["stats"]["gather_bytes"] + full
+    # ... and every bucket at most once in each of forward and backward (a prefetch freed unused re-gathers)
+    assert resharded[0]["stats"]["gather_bytes"] <= full + (cases.STEPS - 1) * 2 * full + full
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -101,6 +103,15 @@ def test_zero3_holds_one_over_w_at_rest(world):
             assert 0 < held["gathered_bytes_peak"] <= ref[0]["held"][step]["parameter_bytes"]
         assert g["own_after_eval"] == 0, "an evaluation's gathered parameters stayed"
     assert ref[0]["held"][-1]["gathered_bytes_peak"] == 0
+
+
+@pytest.mark.parametrize("buff", [150, 400, 1000])
+@pytest.mark.unit
+def test_zero3_prefetches_no_bucket_it_frees_unused(buff):
+    """Blocks whose modules run in another order than they are registered: every gather a module starts
+    for a later one (a prefetch, announced or not) is used before it is freed."""
+    for r, counts in enumerate(run_case("sim", 2, cases3.case_gathered, 3, buff)):
+        assert counts["started"] > 0 and counts["wasted"] == 0, (r, counts)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])

@@ -15,7 +15,7 @@ from tests.support.zero_cases import _batch, _gpt, _model, _optimizer, _params
 def _held(opt: Any) -> dict[str, int]:
     stats = opt.stats
     return {k: int(stats[k]) for k in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
-                                       "gathered_bytes_peak")}
+                                       "gathered_bytes_peak", "gather_bytes")}
 
 
 def case_memory(rank: int, comm: Any, zero: int, steps: int = 3) -> dict[str, Any]:
@@ -43,6 +43,75 @@ def case_memory(rank: int, comm: Any, zero: int, steps: int = 3) -> dict[str, An
     elements = sum(b.size for b in opt.engine.layout.buckets)
     return {"held": held, "bucket_bytes": bucket, "elements": elements, "own_after_eval": own,
             "params": _params(model, opt)}
+
+
+def _blocks(width: int = 12, depth: int = 3) -> Any:
+    """Pre-LN residual blocks whose modules are registered in another order than they run (both norms
+    first, as many GPT implementations do), then a head."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+            self.mix, self.out = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+            self.fc1, self.fc2 = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            x = x + self.out(torch.tanh(self.mix(self.ln1(x))))
+            return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(Block() for _ in range(depth)), torch.nn.Linear(width, 3))
+
+
+def case_gathered(rank: int, comm: Any, zero: int, buff: int) -> dict[str, Any]:
+    """Three steps of the blocks with SGD at ``zero=3``, buckets of ``buff`` elements: how many gathers
+    started after the first step, and how many of them were freed before any module needed the bucket (a
+    prefetch wasted: its bucket is gathered again when needed)."""
+    import gc
+    import warnings
+
+    import torch
+
+    from distopt.sharding.params import ParamShards
+
+    torch.set_num_threads(1)
+    model = _blocks()
+    opt = distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, zero=zero, buffSize=buff,
+                          model=model)
+    g = torch.Generator().manual_seed(rank)
+    opt.zero_grad()
+    model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
+    opt.step()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore", FutureWarning)
+        (store,) = [o for o in gc.get_objects() if isinstance(o, ParamShards) and o.comm is comm]
+    unused: set[int] = set()
+    counts = {"started": 0, "wasted": 0}
+    start, gather, free = store._start, store.gather, store.free
+
+    def counting_start(b: int) -> None:
+        if store._state[b] == 0:
+            counts["started"] += 1
+            unused.add(b)
+        start(b)
+
+    def counting_gather(phase: int, where: int, need: Any, *rest: Any) -> None:
+        gather(phase, where, need, *rest)
+        unused.difference_update(need)
+
+    def counting_free(b: int) -> None:
+        counts["wasted"] += b in unused
+        unused.discard(b)
+        free(b)
+
+    store._start, store.gather, store.free = counting_start, counting_gather, counting_free
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 12, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return counts
 
 
 def case_checkpointed(rank: int, comm: Any, zero: int, reentrant: bool) -> list[Any]:

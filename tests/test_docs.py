@@ -552,6 +552,26 @@ def check_distopt_launch(block: Block, tmp_path: Path) -> None:
     assert len(set(re.findall(r"w = (\[[^]]*\])", res.stdout))) == 1, res.stdout  # identical everywhere
 
 
+def check_distopt_launch_elastic(block: Block, tmp_path: Path) -> None:
+    """The launcher's parser takes the page's elastic flags; the page's script then runs under the elastic
+    launcher with 2 copies (a run id of its own) and finishes."""
+    import uuid
+
+    from distopt.launch.cli import _parser
+    from distopt.launch.elastic_agent import elastic_config
+
+    (argv,) = _commands(block)
+    assert argv[:3] == ["python", "-m", "distopt.launch"], argv
+    ns = _parser().parse_args(argv[3:])
+    config = elastic_config(ns.nproc, ns.min_np, ns.max_np, ns.max_restarts, ns.run_id)
+    assert config is not None and (config.min_np, config.max_np, config.run_id) == (2, 4, "job42"), config
+    script = ns.command[-1]
+    (tmp_path / script).write_text(_file_block(script).code)
+    res = _python(["-m", "distopt.launch", "-n", "2", "--min-np", "1", "--run-id", f"docs-{uuid.uuid4().hex[:8]}",
+                   script], tmp_path, timeout=120)
+    assert res.returncode == 0 and "done in a world of 2" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
 def check_torchrun(block: Block, tmp_path: Path) -> None:
     """torchrun's own parser takes the flags, and the script's parser its arguments (runs: tests/launch/test_world.py)."""
     run = pytest.importorskip("torch.distributed.run")
@@ -656,6 +676,7 @@ CHECKS = {
     "torchrun-nodes": check_torchrun,
     "torchrun-two-hosts": check_torchrun,
     "torchrun-elastic": check_torchrun_elastic,
+    "distopt-launch-elastic": check_distopt_launch_elastic,
     "mpich-tcp": check_mpich_tcp,
     "netsim-runs": check_netsim_runs,
     "strategy-runs": check_strategy_runs,
@@ -667,7 +688,7 @@ FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py", "elastic_ml
 #: The checks that start a job (mpiexec, the launcher, the site build); the others parse the commands
 #: with the scripts' own parsers in this process (the ``unit`` tier).
 JOB_CHECKS = {"first-cpu-run", "mpiexec-one-node", "mpich-hostfile", "distopt-launch", "docs-build",
-              "torchrun-elastic"}
+              "torchrun-elastic", "distopt-launch-elastic"}
 
 
 def _check_marks(cmd_id: str) -> list[pytest.MarkDecorator]:

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 from ..errors import DistOptError
 from .sampler import ElasticSampler
+from ..launch.info import RESTART_COUNT_ENV, RUN_ID_ENV
+from .regroup import grow_check
 from .snapshot import SnapshotDir
 from .state import State
 
@@ -35,7 +37,8 @@ T = TypeVar("T")
 _MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 _LAUNCH_HINT = ("launch with torchrun's elastic agent, e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "
                 "--nnodes 2:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB "
-                "--max-restarts 10 train.py (docs/elastic.md)")
+                "--max-restarts 10 train.py, or on one machine python -m distopt.launch -n 3 --min-np 2 "
+                "--max-np 4 --run-id JOB train.py (docs/elastic.md)")
 
 
 class ElasticLaunchError(DistOptError, ValueError):
@@ -44,14 +47,15 @@ class ElasticLaunchError(DistOptError, ValueError):
 
 
 def check_launch(env: Mapping[str, str]) -> str:
-    """The run id of an elastic torchrun launch described by ``env``.
+    """The run id of an elastic launch described by ``env``: torchrun's (``TORCHELASTIC_RUN_ID``), or
+    ``python -m distopt.launch --min-np/--max-np --run-id ID``'s (``DISTOPT_RUN_ID``).
 
     Raises:
         ElasticLaunchError: not torchrun (mpiexec: an MPI communicator cannot shrink or grow without ULFM;
-            distopt.launch and plain python: no elastic agent), the default run id ``none`` (commits would be
-            found by an unrelated job), or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` not ``1`` (torch's agent
-            shares one store across restarts and the restarted workers read the previous world's addresses,
-            pytorch/pytorch#135712).
+            python -m distopt.launch without --min-np/--max-np and plain python: no elastic agent), the
+            default run id ``none`` (commits would be found by an unrelated job), or
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` not ``1`` (torch's agent shares one store across restarts
+            and the restarted workers read the previous world's addresses, pytorch/pytorch#135712).
     """
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
@@ -59,8 +63,11 @@ def check_launch(env: Mapping[str, str]) -> str:
             raise ElasticLaunchError("distopt.elastic.run does not work under mpiexec/mpirun: an MPI "
                                      "communicator cannot lose or gain a process without ULFM; " + _LAUNCH_HINT)
         if "DISTOPT_JOB_ID" in env:
-            raise ElasticLaunchError("distopt.elastic.run does not work under python -m distopt.launch (its "
-                                     "shared-memory world cannot re-form yet); " + _LAUNCH_HINT)
+            if env.get(RUN_ID_ENV):  # python -m distopt.launch --min-np/--max-np: its --run-id
+                return env[RUN_ID_ENV]
+            raise ElasticLaunchError("distopt.elastic.run does not work under python -m distopt.launch without "
+                                     "its elastic mode (--min-np/--max-np and --run-id): a fail-fast world "
+                                     "cannot re-form; " + _LAUNCH_HINT)
         raise ElasticLaunchError("distopt.elastic.run needs torchrun's elastic agent (TORCHELASTIC_RUN_ID is "
                                  "not set); " + _LAUNCH_HINT)
     if run_id == "none":
@@ -84,8 +91,12 @@ def _optimizer(state: State) -> Any:
     return opt
 
 
-def _restore(state: State, opt: Any, snapshots: SnapshotDir) -> int | None:
-    """Agree on the newest commit of the world and load it; its sequence number, or None for a fresh start."""
+def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> int | None:
+    """Agree on the newest commit of the world and load it; its sequence number, or None for a fresh start.
+
+    A rank whose node lacks that commit receives it by broadcast from the lowest rank that holds it; the
+    node's writer (``writer``: local rank 0) then stores it, so that every node of the new world holds the
+    commit it resumed from, even if the nodes that sent it are lost before the next commit."""
     newest = snapshots.newest()
     seqs = opt.all_gather_object(-1 if newest is None else newest[0])
     best = max(seqs)
@@ -97,8 +108,28 @@ def _restore(state: State, opt: Any, snapshots: SnapshotDir) -> int | None:
         holder = seqs.index(best)
         mine = newest[1].read_bytes() if opt.global_rank == holder else None
         payload = opt.broadcast_object(mine, root=holder)
+        if writer and seqs[opt.global_rank] < best:
+            snapshots.write(best, opt.global_rank, payload)
     state._load(payload)
     return best
+
+
+def _lost_world(exc: BaseException, rank: int, world: int, snapshots: SnapshotDir, run_id: str,
+                torchrun: bool) -> str:
+    """The line a worker writes before it exits on a lost peer (``exc``): what its launcher does next, and,
+    for the case where too few nodes are left to go on (under torchrun, ``torchrun`` True: its agent stops
+    after the rendezvous ``join_timeout``), where this node's commit stays and how to resume from it."""
+    newest = snapshots.newest()
+    flag = "--rdzv-id" if torchrun else "--run-id"
+    kept = ("nothing is committed on this node yet" if newest is None else
+            f"commit {newest[0]} stays in {snapshots.path} on this node, and a job relaunched with {flag} "
+            f"{run_id} resumes from it")
+    below = (". If fewer nodes than torchrun's --nnodes MIN are left, torchrun's agent stops instead, with "
+             "RendezvousTimeoutError, after its rendezvous join_timeout (600 s unless --rdzv-conf "
+             "join_timeout=S);" if torchrun else ";")
+    return (f"distopt.elastic: rank {rank} of {world} lost the world ({type(exc).__name__}: {str(exc)[:300]}); "
+            f"exiting so that the launcher re-forms the world, which resumes from its newest commit{below} "
+            f"{kept}.\n")
 
 
 def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "/dev/shm") -> Any:
@@ -113,10 +144,14 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
 
     On every (re)start, before ``fn``: the world's newest commit is restored (see the module docstring),
     every :class:`~distopt.elastic.ElasticSampler` in the state is reset to this rank and world size, and
-    when a commit was restored the reset callbacks run. Then ``fn(state)`` runs; when a peer is lost its
-    collective raises a :class:`~distopt.errors.DistOptError` (at once when the peer's process died: the
-    transport reports the closed connection); ``run`` logs it and lets it end the process, so that
-    torchrun's agent re-forms the world and restarts this worker, which resumes here. After ``fn`` returns
+    when a commit was restored the reset callbacks run. Then ``fn(state)`` runs; when a peer is lost (in the
+    restore, in ``fn`` or in the final barrier) its collective raises a :class:`~distopt.errors.DistOptError`
+    (at once when the peer's process died: the transport reports the closed connection); ``run`` writes one
+    line to stderr (``distopt.elastic: rank R of W lost the world (...)``) and lets the error end the
+    process, so that torchrun's agent re-forms the world and restarts this worker, which resumes here. The
+    line also says where the node's commit stays (``commit_dir``), from which a job relaunched with the same
+    run id resumes, and, under torchrun, what happens when fewer nodes than ``--nnodes MIN`` are left:
+    torchrun's agent stops with ``RendezvousTimeoutError`` after its rendezvous ``join_timeout``. After ``fn`` returns
     on every rank, the run's commits are removed from shared memory.
 
     Raises:
@@ -132,26 +167,26 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
         opt = _optimizer(state)
         snapshots = SnapshotDir(run_id, commit_dir)
         writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        state._attach(snapshots if writer else None, opt.global_rank)
+        state._attach(snapshots if writer else None, opt.global_rank, grow_check(opt, os.environ))
         began = time.time()
-        seq = _restore(state, opt, snapshots)
-        for obj in state._objects.values():
-            if isinstance(obj, ElasticSampler):
-                obj.reset(opt.global_rank, opt.world_size)
-        if seq is not None:
-            state._reset()
-            if opt.global_rank == 0:
-                log.warning("distopt.elastic: restored commit %d into a world of %d (restart %s) in %.2f s",
-                            seq, opt.world_size, os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-                            time.time() - began)
         try:
+            seq = _restore(state, opt, snapshots, writer)
+            for obj in state._objects.values():
+                if isinstance(obj, ElasticSampler):
+                    obj.reset(opt.global_rank, opt.world_size)
+            if seq is not None:
+                state._reset()
+                if opt.global_rank == 0:
+                    log.warning("distopt.elastic: restored commit %d into a world of %d (restart %s) in %.2f s",
+                                seq, opt.world_size,
+                                os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get(RESTART_COUNT_ENV)),
+                                time.time() - began)
             result = fn(state, *args, **kwargs)
+            opt.all_gather_object(None)  # every rank is done reading the commits before they go
         except DistOptError as exc:
-            sys.stderr.write(f"distopt.elastic: rank {opt.global_rank} of {opt.world_size} lost the world "
-                             f"({type(exc).__name__}: {str(exc)[:300]}); exiting so that torchrun re-forms the "
-                             f"world and resumes from commit {state.commits}\n")
+            sys.stderr.write(_lost_world(exc, opt.global_rank, opt.world_size, snapshots, run_id,
+                                         "TORCHELASTIC_RUN_ID" in os.environ))
             raise
-        opt.all_gather_object(None)  # every rank is done reading the commits before they go
         if writer:
             snapshots.remove()
         return result

@@ -4,8 +4,13 @@ torchrun's agent restarts every worker when the world changes, so a commit held
 only in a worker's memory would die with it. Each commit is therefore also
 written, atomically (a temporary name, then ``os.replace``), to
 ``/dev/shm/distopt-elastic-<run id>/commit-<seq>.rank<rank>.pt``: memory, not
-disk, and gone when the machine is. After a write the older commits of the
-same rank are removed, so a rank keeps one file (two for a moment).
+disk, and gone when the machine is. A reader never sees a partial commit: the
+file appears complete under its final name, or not at all.
+
+One process writes in a node's directory (the node's local rank 0), so after a
+write everything else there is stale and removed: the older commits, of any rank
+(a node's rank may change when the world re-forms), and the temporary file a
+writer killed mid-write left. A node keeps one commit (two for a moment).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 __all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"commit-(\d+)\.rank(\d+)\.pt")
+_TEMPORARY = re.compile(r"commit-(\d+)\.rank(\d+)\.tmp\d+")
 
 
 class SnapshotDir:
@@ -36,15 +42,21 @@ class SnapshotDir:
         self.path = Path(root) / f"distopt-elastic-{run_id}"
 
     def write(self, seq: int, rank: int, payload: bytes) -> Path:
-        """Store commit ``seq`` of ``rank`` (``payload``: the serialised commit, bytes) and remove the rank's
-        older commits. Returns the file's path."""
+        """Store commit ``seq`` of ``rank`` (``payload``: the serialised commit, bytes), atomically, then remove
+        the directory's older commits (of any rank) and any other temporary file (a writer killed mid-write
+        left it). Returns the file's path.
+
+        Raises:
+            OSError: the directory or the file cannot be written (e.g. ``/dev/shm`` is full).
+        """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         final = self.path / f"commit-{seq}.rank{rank}.pt"
         tmp = final.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(payload)
         os.replace(tmp, final)
-        for other, (s, r) in self._files():
-            if r == rank and s < seq:
+        for other in self.path.iterdir():
+            done = _NAME.fullmatch(other.name)
+            if (int(done.group(1)) < seq) if done else bool(_TEMPORARY.fullmatch(other.name)):
                 other.unlink(missing_ok=True)
         return final
 

@@ -52,6 +52,7 @@ class State:
         object.__setattr__(self, "_committed", None)
         object.__setattr__(self, "_snapshots", None)
         object.__setattr__(self, "_rank", 0)
+        object.__setattr__(self, "_after_commit", None)
         object.__setattr__(self, "commits", 0)
 
     def __getattr__(self, name: str) -> Any:
@@ -83,6 +84,8 @@ class State:
         object.__setattr__(self, "_committed", payload)
         if self._snapshots is not None:
             self._snapshots.write(self.commits, self._rank, payload)
+        if self._after_commit is not None:
+            self._after_commit()
 
     def restore(self) -> None:
         """Load the last commit back (the objects in place, the values replaced).
@@ -117,10 +120,14 @@ class State:
         object.__setattr__(self, "commits", int(record["seq"]))
         object.__setattr__(self, "_committed", payload)
 
-    def _attach(self, snapshots: SnapshotDir | None, rank: int) -> None:
-        """Under :func:`~distopt.elastic.run`: where commits go (None: not this rank) and this rank's number."""
+    def _attach(self, snapshots: SnapshotDir | None, rank: int,
+                after_commit: Callable[[], None] | None = None) -> None:
+        """Under :func:`~distopt.elastic.run`: where commits go (None: not this rank), this rank's number, and
+        what runs after each commit is written (collective on every rank: ``python -m distopt.launch``'s
+        growth check, :mod:`distopt.elastic.regroup`)."""
         object.__setattr__(self, "_snapshots", snapshots)
         object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_after_commit", after_commit)
 
     def _reset(self) -> None:
         for callback in self._callbacks:

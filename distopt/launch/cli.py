@@ -13,6 +13,11 @@ job (the others get SIGTERM, then SIGKILL after ``--grace`` seconds) and its
 exit code becomes the launcher's. The children get SIGTERM from the kernel
 when the launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), and
 the job's shared-memory segments are removed at the end in every case.
+
+With ``--min-np``/``--max-np`` the launcher is elastic instead: a failed copy's
+world is re-formed without it, and ``SIGUSR1`` grows the world at the next
+commit (:mod:`distopt.launch.elastic_agent`; the script uses
+``distopt.elastic.run``).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import time
 from typing import Any
 
 from ._pdeath import _prctl_pdeathsig
+from .elastic_agent import ElasticAgent, ElasticConfig, elastic_config
 from .exits import describe_exit, end_on_signals
 from .info import JOB_ID_ENV
 from .nccl_id import new_job_id
@@ -74,6 +80,14 @@ The first copy that fails (non-zero exit, signal) ends the job: the others get S
 then SIGKILL after --grace seconds; its traceback is on stderr and its exit code is the
 launcher's. If the launcher is ended (SIGTERM, Ctrl-C, even SIGKILL) the copies end too
 and the job's shared-memory segments are removed.
+
+Elastic mode (--min-np and/or --max-np; the script uses distopt.elastic.run), e.g.
+
+  python -m distopt.launch -n 3 --min-np 2 --max-np 4 --run-id job42 train.py
+
+A copy that fails ends its world; a new world of the copies left (its slot is dropped)
+resumes from the last commit, while at least --min-np are left and --max-restarts allow.
+`kill -USR1 <launcher pid>` adds one copy (up to --max-np) at the next commit.
 """
 
 
@@ -87,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="prefix every line of stdout and stderr with [rank R]")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when ending the job (default 5)")
+    elastic = parser.add_argument_group("elastic mode (docs/elastic.md)")
+    elastic.add_argument("--min-np", type=int, help="elastic: the fewest copies a world may have (default -n)")
+    elastic.add_argument("--max-np", type=int, help="elastic: the most copies; SIGUSR1 adds one (default -n)")
+    elastic.add_argument("--max-restarts", type=int, help="elastic: failures the run survives (default 3)")
+    elastic.add_argument("--run-id", help="elastic (required): names the run's commits in /dev/shm")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="script.py args...",
                         help="the script and its arguments (with -m: the module's arguments)")
     return parser
@@ -115,6 +134,32 @@ def _start(rank: int, nproc: int, job_id: str, argv: list[str], tag: bool, threa
     return proc, threads
 
 
+def _run_elastic(config: ElasticConfig, command: list[str], tag: bool, threads_env: dict[str, str],
+                 grace: float) -> int:
+    """The elastic launcher's exit status (:class:`~distopt.launch.elastic_agent.ElasticAgent`)."""
+
+    def start(nproc: int, job_id: str, env: dict[str, str], procs: list[subprocess.Popen],
+              threads: list[threading.Thread]) -> None:
+        for rank in range(nproc):
+            proc, tagging = _start(rank, nproc, job_id, command, tag, {**threads_env, **env})
+            procs.append(proc)
+            threads += tagging
+
+    def end(procs: list[subprocess.Popen], threads: list[threading.Thread]) -> None:
+        _terminate(procs, grace)
+        for thread in threads:
+            thread.join(grace)
+
+    print(f"distopt.launch: elastic run {config.run_id}: {config.nproc} copies (--min-np {config.min_np}, "
+          f"--max-np {config.max_np}, --max-restarts {config.max_restarts}); kill -USR1 {os.getpid()} adds one",
+          file=sys.stderr, flush=True)
+    try:
+        return ElasticAgent(config, start, end, grace).run()
+    except KeyboardInterrupt:
+        print("distopt.launch: interrupted; terminating all ranks", file=sys.stderr, flush=True)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m distopt.launch -n N [--tag-output] (script.py | -m module) args...``; returns the exit status.
 
@@ -122,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     (128 + signal number for a signal), after terminating the others; 130 on
     SIGINT (Ctrl-C, even where the launcher started with SIGINT ignored), 143
     on SIGTERM (the children are terminated too). The job's shared-memory
-    segments are removed at the end in every case.
+    segments are removed at the end in every case. Elastic mode (``--min-np``/``--max-np``):
+    :class:`~distopt.launch.elastic_agent.ElasticAgent`'s status.
     """
     from ..comm.shm import unlink_segments
 
@@ -132,15 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("-n must be >= 1")
     if ns.module is None and not ns.command:
         parser.error("give a script (script.py args...) or a module (-m MODULE args...)")
+    try:
+        elastic = elastic_config(ns.nproc, ns.min_np, ns.max_np, ns.max_restarts, ns.run_id)
+    except ValueError as exc:
+        parser.error(str(exc))
     command = ["-m", ns.module, *ns.command] if ns.module else ns.command
     job_id = new_job_id()
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     end_on_signals()
-    threads_env = _thread_env(ns.nproc, dict(os.environ))
+    threads_env = _thread_env(ns.nproc if elastic is None else elastic.max_np, dict(os.environ))
     if threads_env:
         print(f"distopt.launch: OMP_NUM_THREADS=1 for each of the {ns.nproc} processes (it was not set); set it "
               "to give each process more threads", file=sys.stderr, flush=True)
+    if elastic is not None:
+        return _run_elastic(elastic, command, ns.tag_output, threads_env, ns.grace)
     try:
         for rank in range(ns.nproc):
             proc, tagging = _start(rank, ns.nproc, job_id, command, ns.tag_output, threads_env)

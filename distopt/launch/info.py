@@ -13,11 +13,24 @@ from typing import Any
 
 from . import ranks
 
-__all__ = ["Launch", "JOB_ID_ENV"]
+__all__ = ["Launch", "JOB_ID_ENV", "RUN_ID_ENV", "RESTART_COUNT_ENV", "GROW_FILE_ENV", "REGROUP_EXIT"]
 
 
 #: Set by ``python -m distopt.launch``: the id the copies of one job share (their shm segments' names).
+#: In elastic mode every new world gets a fresh one.
 JOB_ID_ENV = "DISTOPT_JOB_ID"
+#: Set by ``python -m distopt.launch --min-np/--max-np`` (elastic mode): its ``--run-id``, the same for every
+#: world of the run (it names the commits in ``/dev/shm``, as torchrun's ``TORCHELASTIC_RUN_ID``).
+RUN_ID_ENV = "DISTOPT_RUN_ID"
+#: Elastic mode: how many times the launcher restarted the world after a failure (0 in the first world; a
+#: world started to grow does not count), as torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+RESTART_COUNT_ENV = "DISTOPT_RESTART_COUNT"
+#: Elastic mode: a path; while a file exists there the launcher waits for a larger world, and the copies stop
+#: at their next commit (``distopt.elastic.State.commit``) and exit with :data:`REGROUP_EXIT`.
+GROW_FILE_ENV = "DISTOPT_GROW_FILE"
+#: The exit status of a copy that stopped at a commit so that the launcher starts a larger world
+#: (``EX_TEMPFAIL``: not a failure, the launcher restarts the world without counting a restart).
+REGROUP_EXIT = 75
 
 
 @dataclass(frozen=True)

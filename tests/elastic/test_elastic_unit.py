@@ -83,14 +83,16 @@ def test_sampler_refuses_a_state_of_another_dataset() -> None:
         ElasticSampler(12, 2).load_state_dict(ElasticSampler(10, 2).state_dict())
 
 
-def test_snapshot_dir_keeps_the_newest_commit_per_rank(tmp_path: Path) -> None:
+def test_snapshot_dir_keeps_the_newest_commit_alone(tmp_path: Path) -> None:
     d = SnapshotDir("job", tmp_path)
     assert d.newest() is None
     d.write(1, 0, b"one")
-    d.write(1, 1, b"one")
+    d.write(1, 1, b"one")  # the node's rank changed (the world re-formed): both commit 1 files stay
+    assert sorted(p.name for p in d.path.iterdir()) == ["commit-1.rank0.pt", "commit-1.rank1.pt"]
+    (d.path / "commit-2.rank1.tmp999999").write_bytes(b"tw")  # a writer killed mid-write of commit 2
+    assert d.newest()[0] == 1  # a temporary file is never read
     d.write(2, 0, b"two")
-    names = sorted(p.name for p in d.path.iterdir())
-    assert names == ["commit-1.rank1.pt", "commit-2.rank0.pt"]
+    assert sorted(p.name for p in d.path.iterdir()) == ["commit-2.rank0.pt"]
     seq, path = d.newest()
     assert seq == 2 and path.read_bytes() == b"two"
     d.remove()
@@ -152,3 +154,16 @@ def test_check_launch_refuses_what_cannot_be_elastic(env: dict, match: str) -> N
     with pytest.raises(ElasticLaunchError, match=match) as info:
         check_launch(env)
     assert "torchrun --nnodes" in str(info.value)
+
+
+def test_lost_world_line_says_where_the_commit_stays(tmp_path: Path) -> None:
+    from distopt.elastic.run import _lost_world
+
+    kept = SnapshotDir("job7", tmp_path)
+    kept.write(2, 0, b"two")
+    line = _lost_world(RuntimeError("peer gone"), 0, 3, kept, "job7", torchrun=True)
+    assert line.startswith("distopt.elastic: rank 0 of 3 lost the world (RuntimeError: peer gone)")
+    assert "fewer nodes than torchrun's --nnodes MIN are left" in line and "RendezvousTimeoutError" in line
+    assert f"commit 2 stays in {kept.path} on this node, and a job relaunched with --rdzv-id job7 resumes" in line
+    line = _lost_world(RuntimeError("x"), 1, 2, SnapshotDir("job8", tmp_path), "job8", torchrun=False)
+    assert "torchrun" not in line and line.endswith("newest commit; nothing is committed on this node yet.\n")

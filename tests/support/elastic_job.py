@@ -6,6 +6,11 @@ can be killed without taking the store down (as when the store runs on a
 machine of its own). Each agent runs one worker (``--nproc-per-node 1``): an
 agent and its worker together are one "node". The agents' keep-alive is 1 s
 with 3 misses, so a killed node leaves the rendezvous within about 3 s.
+
+Every process of a job (agents and workers) has the job's ``out`` directory on
+its command line: :meth:`ElasticJob.alive` finds them by it, so that a test can
+assert that nothing outlived the job (no orphaned worker) before
+:meth:`ElasticJob.close` kills what is left.
 """
 from __future__ import annotations
 
@@ -22,7 +27,12 @@ from torch.distributed import TCPStore
 from .harness import ROOT
 from .torch_workers import free_port
 
-__all__ = ["ElasticJob", "read_steps"]
+__all__ = ["ElasticJob", "RDZV_CONF", "read_steps"]
+
+#: The agents' ``--rdzv-conf``: the store is not theirs, a dead node leaves within about 3 s, a round closes
+#: 1 s after its last arrival.
+RDZV_CONF: dict[str, float | int | str] = {"is_host": 0, "last_call_timeout": 1, "keep_alive_interval": 1,
+                                           "keep_alive_max_attempt": 3}
 
 
 def read_steps(out: Path) -> list[dict]:
@@ -41,12 +51,16 @@ class ElasticJob:
         script: the training script; ``args`` follow it.
         nnodes: torchrun's ``--nnodes`` (``"2:3"``).
         run_id: ``--rdzv-id`` (it also names the commits in ``/dev/shm``).
+        max_restarts: torchrun's ``--max-restarts``.
+        rdzv_conf: ``--rdzv-conf`` entries that replace or add to the harness's own (:data:`RDZV_CONF`), e.g.
+            ``{"join_timeout": 5}``.
     """
 
     def __init__(self, out: Path, script: Path, args: list[str], *, nnodes: str, run_id: str,
-                 max_restarts: int = 3) -> None:
+                 max_restarts: int = 3, rdzv_conf: dict[str, float | int | str] | None = None) -> None:
         self.out, self.script, self.args = out, script, args
         self.nnodes, self.run_id, self.max_restarts = nnodes, run_id, max_restarts
+        self.rdzv_conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, **(rdzv_conf or {})}.items())
         self.port = free_port()
         self.store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
         self.agents: list[subprocess.Popen] = []
@@ -59,7 +73,7 @@ class ElasticJob:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
                "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.2",
-               "--rdzv-conf", "is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--rdzv-conf", self.rdzv_conf,
                str(self.script), str(self.out), "--commit-dir", str(self.out.parent / f"node{node}"), *self.args]
         log = open(self.out / f"agent{len(self.agents)}.log", "w")
         agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -82,6 +96,13 @@ class ElasticJob:
         pid, agent = (int(v) for v in self.wait_for(paused, 60).split())
         os.kill(agent, signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)
+
+    def kill_worker(self, paused: Path) -> int:
+        """SIGKILL only the worker that wrote ``paused`` (a crash, an OOM kill: its agent lives on and restarts
+        it); returns its agent's pid."""
+        pid, agent = (int(v) for v in self.wait_for(paused, 60).split())
+        os.kill(pid, signal.SIGKILL)
+        return agent
 
     def wait(self, timeout: float) -> list[int]:
         """The agents' exit codes; on overrun every process is killed and an AssertionError names the ranks
@@ -108,6 +129,22 @@ class ElasticJob:
             text = (self.out / f"agent{i}.log").read_text(errors="replace")
             lines.append(f"--- agent{i}.log tail ---\n{text[-2500:]}")
         return "\n".join(lines)
+
+    def alive(self) -> list[str]:
+        """``"pid: command line"`` of every process still running of this job (agents and workers: their
+        command lines name ``out``), zombies excepted."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                zombie = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if os.fsencode(self.out) in argv and not zombie:
+                found.append(f"{proc.name}: {b' '.join(argv).decode(errors='replace')[:300]}")
+        return found
 
     def close(self) -> None:
         """Kill every agent and every worker still alive (workers run in sessions of their own)."""

@@ -14,13 +14,17 @@ wire carries what a reduce-scatter carries. On CUDA (NCCL) it is one
 ``max(counts)`` elements in a zeroed ``(size, max(counts))`` copy of ``array``
 when the counts differ.
 
-``all_gather_into`` with equal counts is one ``all_gather_single`` (once ``all_gather_into_tensor``) whose
-output is the caller's array itself and whose input is this rank's segment
-of it (no copy: gloo gathers into a buffer of its own and copies it back,
-NCCL gathers in place). With unequal counts (gloo's list all-gather refuses unequal sizes)
-it gathers a copy of this rank's segment padded to ``max(counts)`` elements
-into a new ``(size, max(counts))`` tensor and copies every segment back into
-``array``. ``all_to_all`` is one ``all_to_all_single`` into a new tensor.
+``all_gather_into`` on CPU memory (gloo) is one ``broadcast`` per rank of
+its segment, in place in the caller's array: no copy, no padding for
+unequal counts, and no buffer of the whole array (gloo's all-gather
+gathers into one of its own and copies it back: a 13.6 MB segment per
+rank took 34 ms at W = 2 against 10 ms for the two broadcasts, and a
+100 MB gather raised the peak RSS by 95 MiB). On CUDA (NCCL) with equal
+counts it is one ``all_gather_single`` (once ``all_gather_into_tensor``)
+in place, its input this rank's segment of the output; with unequal
+counts it gathers a copy of this rank's segment padded to ``max(counts)``
+elements into a new ``(size, max(counts))`` tensor and copies every
+segment back into ``array``. ``all_to_all`` is one ``all_to_all_single`` into a new tensor.
 Gathers move any dtype (as bytes); reductions take the dtypes gloo reduces.
 
 The blocking forms first agree on the call through the control block, its
@@ -31,6 +35,8 @@ so ranks with different counts, dtypes or ops raise
 """
 from __future__ import annotations
 
+import datetime
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -68,6 +74,32 @@ def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
     for row in rest:
         combine(acc, row.to(torch.float32) if wide else row, out=acc)
     return acc.to(dtype) if wide else acc
+
+
+class _Works:
+    """Several ``torch.distributed`` works waited on as one (``wait`` with one deadline for all of them)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for each work in turn, within ``timeout`` in all (None: each work's own).
+
+        Raises:
+            RuntimeError: a work failed, or the time ran out (torch's "Operation timed out!").
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for w in self._works:
+            if deadline is None:
+                w.wait()
+            elif not w.is_completed():
+                w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            else:
+                w.wait()  # returns at once, or raises the work's own error
+        return True
 
 
 class TorchShardHandle:
@@ -161,6 +193,11 @@ class TorchShards:
         if self.size == 1 or not width:
             return None, lambda: t.array
         starts = [sum(counts[:r]) for r in range(self.size)]
+        if not t.flat.is_cuda:  # gloo: each segment broadcast in place from its owner (see the module docs)
+            works = [dist.broadcast(movable(t.flat[starts[r]:starts[r] + c]), group=self._group, async_op=True,
+                                    src=dist.get_global_rank(self._group, r) if self._group is not None else r)
+                     for r, c in enumerate(counts) if c]
+            return _Works(works), lambda: t.array
         mine = t.flat[starts[self.rank]:starts[self.rank] + counts[self.rank]]
         if min(counts) == width:  # gathered straight into the caller's array, from its own segment (gloo
             inp, out = mine, t.flat  # gathers into a buffer of its own first; NCCL gathers in place)

@@ -7,6 +7,8 @@
 * :class:`~distopt.elastic.sampler.ElasticSampler`: per-rank batches whose global
   position survives a change of world size (every sample of an epoch once).
 * :class:`~distopt.elastic.snapshot.SnapshotDir`: the commits in the node's shared memory.
+* :mod:`~distopt.elastic.heartbeat`: under torchrun, a peer that goes silent without
+  closing its connections (a frozen node) is seen within ``run(lost_after=...)`` seconds.
 
 See docs/elastic.md for the commands, the guarantees and how this compares with
 Horovod Elastic and torchrun's agent alone.

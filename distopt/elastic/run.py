@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from ..errors import DistOptError
 from .sampler import ElasticSampler
 from ..launch.info import RESTART_COUNT_ENV, RUN_ID_ENV
+from .heartbeat import DEFAULT_LOST_AFTER_S, PeerLostError, check_lost_after, torchrun_heartbeat
 from .regroup import grow_check
 from .snapshot import SnapshotDir
 from .state import State
@@ -132,15 +133,24 @@ def _lost_world(exc: BaseException, rank: int, world: int, snapshots: SnapshotDi
             f"{kept}.\n")
 
 
-def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "/dev/shm") -> Any:
+def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "/dev/shm",
+        lost_after: float | None = DEFAULT_LOST_AFTER_S) -> Any:
     """Decorate ``fn(state, *args, **kwargs)`` so that it resumes from the last commit after a world change
-    (``@run`` or ``@run(commit_dir=...)``).
+    (``@run`` or ``@run(commit_dir=..., lost_after=...)``).
 
     Args:
         fn: the training function; its first argument is the :class:`~distopt.elastic.State`.
         commit_dir: where each node keeps its commits: a node-local directory, memory-backed
             (``/dev/shm``) so that a commit costs no disk write; the run's files go in a subdirectory
             named by the run id.
+        lost_after: under torchrun, seconds after which a peer whose heartbeat did not move (a frozen or
+            cut-off node: its connections stay open, so no collective fails) is lost, and so is the job's
+            store when it does not answer (:mod:`distopt.elastic.heartbeat`; a beat every second, so at least
+            2 s). The worker then writes ``distopt.elastic: rank R of W lost the world (PeerLostError: no
+            heartbeat from rank P for S s ...)`` and exits at once with status 1 (``os._exit``: its main
+            thread may be stuck in a collective). A slow rank still beats (a thread of its own; torch ops and
+            collectives release the GIL, Python code yields it every 5 ms) unless one call holds the GIL that
+            long. None: no heartbeat (a silent peer is then seen at ``DistOpt(timeout=...)``).
 
     On every (re)start, before ``fn``: the world's newest commit is restored (see the module docstring),
     every :class:`~distopt.elastic.ElasticSampler` in the state is reset to this rank and world size, and
@@ -156,10 +166,12 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
 
     Raises:
         ElasticLaunchError: see :func:`check_launch`.
-        ValueError: ``state.optimizer`` is not a :class:`distopt.DistOpt`.
+        ValueError: ``state.optimizer`` is not a :class:`distopt.DistOpt`; ``lost_after`` is neither None nor
+            a finite number of seconds >= 2.
     """
+    lost_after = check_lost_after(lost_after)
     if fn is None:
-        return functools.partial(run, commit_dir=commit_dir)
+        return functools.partial(run, commit_dir=commit_dir, lost_after=lost_after)
 
     @functools.wraps(fn)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
@@ -169,8 +181,21 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
         writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
         state._attach(snapshots if writer else None, opt.global_rank, grow_check(opt, os.environ))
         began = time.time()
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+
+        def on_lost(reason: str) -> None:  # in the heartbeat's thread: the main one may be stuck in a collective
+            sys.stderr.write(_lost_world(PeerLostError(reason), opt.global_rank, opt.world_size, snapshots,
+                                         run_id, torchrun))
+            sys.stderr.flush()
+            os._exit(1)
+
+        heartbeat = torchrun_heartbeat(opt.global_rank, opt.world_size, lost_after, os.environ, on_lost)
+        if heartbeat is not None:
+            heartbeat.start()
         try:
             seq = _restore(state, opt, snapshots, writer)
+            if heartbeat is not None:  # every rank started its heartbeat before the restore's all-gather
+                heartbeat.arm()
             for obj in state._objects.values():
                 if isinstance(obj, ElasticSampler):
                     obj.reset(opt.global_rank, opt.world_size)
@@ -184,9 +209,11 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
             result = fn(state, *args, **kwargs)
             opt.all_gather_object(None)  # every rank is done reading the commits before they go
         except DistOptError as exc:
-            sys.stderr.write(_lost_world(exc, opt.global_rank, opt.world_size, snapshots, run_id,
-                                         "TORCHELASTIC_RUN_ID" in os.environ))
+            sys.stderr.write(_lost_world(exc, opt.global_rank, opt.world_size, snapshots, run_id, torchrun))
             raise
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
         if writer:
             snapshots.remove()
         return result

@@ -97,6 +97,15 @@ class ElasticJob:
         os.kill(agent, signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)
 
+    def freeze_node(self, paused: Path) -> tuple[int, int]:
+        """SIGSTOP the agent and then the worker that wrote ``paused`` (``"pid agent_pid"``): a node that
+        vanishes without closing its connections (a cut cable, a frozen machine). Returns (worker pid, agent
+        pid); the test SIGKILLs them when it is done (:meth:`close` does too)."""
+        pid, agent = (int(v) for v in self.wait_for(paused, 60).split())
+        os.kill(agent, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
+        return pid, agent
+
     def kill_worker(self, paused: Path) -> int:
         """SIGKILL only the worker that wrote ``paused`` (a crash, an OOM kill: its agent lives on and restarts
         it); returns its agent's pid."""
@@ -104,12 +113,13 @@ class ElasticJob:
         os.kill(pid, signal.SIGKILL)
         return agent
 
-    def wait(self, timeout: float) -> list[int]:
-        """The agents' exit codes; on overrun every process is killed and an AssertionError names the ranks
-        whose workers stalled (their last logged step) with the agents' log tails."""
+    def wait(self, timeout: float, agents: list[subprocess.Popen] | None = None) -> list[int]:
+        """The exit codes of ``agents`` (default: every agent); on overrun every process is killed and an
+        AssertionError names the ranks whose workers stalled (their last logged step) with the agents' log
+        tails."""
         deadline = time.monotonic() + timeout
         codes = []
-        for agent in self.agents:
+        for agent in (self.agents if agents is None else agents):
             try:
                 codes.append(agent.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:

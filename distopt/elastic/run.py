@@ -23,10 +23,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import DistOptError
-from .sampler import ElasticSampler
 from ..launch.info import RESTART_COUNT_ENV, RUN_ID_ENV
 from .heartbeat import DEFAULT_LOST_AFTER_S, PeerLostError, check_lost_after, torchrun_heartbeat
 from .regroup import grow_check
+from .sampler import ElasticSampler
 from .snapshot import SnapshotDir
 from .state import State
 

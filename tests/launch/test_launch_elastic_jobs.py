@@ -23,15 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.elastic.jobs import EVERY, assert_exactly_once, assert_same_final
 from tests.support.harness import ROOT
 from tests.support.shm_workers import job_segments
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(300)]
 
 SCRIPT = ROOT / "tests" / "support" / "launched" / "elastic_shm_train.py"
-N, EPOCHS, EVERY = 48, 2, 3  # elastic_shm_train.py's samples, epochs and steps between commits
+# elastic_shm_train.py has elastic_train.py's sizes (EVERY: steps between commits), so the torchrun tests' checks apply
 COMMIT = 2  # every change comes after commit 2 (step 6)
 
 
@@ -150,24 +150,6 @@ def _reference(base: Path, first: int, second: int) -> Path:
     return base / "b"
 
 
-def _assert_same_final(got: Path, want: Path) -> None:
-    a, b = torch.load(got / "final.pt"), torch.load(want / "final.pt")
-    for model in ("a", "b"):
-        for name, value in b[model].items():
-            assert torch.equal(a[model][name], value), f"model {model} {name}: max abs diff " \
-                f"{(a[model][name] - value).abs().max().item():.3e}"
-
-
-def _assert_exactly_once(rows: list[dict], first: int, second: int) -> None:
-    steps = [r for r in rows if r["event"] == "step"]
-    counted = [r for r in steps if r["world"] == first and r["resumed"] == 0 and r["step"] <= COMMIT * EVERY]
-    counted += [r for r in steps if r["world"] == second and r["resumed"] == COMMIT]
-    for epoch in range(EPOCHS):
-        seen = sorted(i for r in counted if r["epoch"] == epoch for i in r["idx"])
-        assert seen == list(range(N)), f"epoch {epoch}: {len(seen)} samples used in all, duplicates " \
-            f"{sorted({i for i in seen if seen.count(i) > 1})}, missing {sorted(set(range(N)) - set(seen))}"
-
-
 def _first_step_of(rows: list[dict], world: int) -> float:
     """When the last rank of the world of ``world`` copies that resumed took its first step (time.time())."""
     firsts: dict[int, float] = {}
@@ -200,8 +182,8 @@ def test_kill_one_of_three_the_two_survivors_match_the_reference(tmp_path: Path)
     assert [r for r in rows if r["event"] == "step" and r["world"] == 3 and r["step"] > COMMIT * EVERY], \
         "the world of 3 took no step after the commit: no rollback exercised"
     assert not (Path("/dev/shm") / f"distopt-elastic-{launch.run_id}").exists(), "the commits outlived the run"
-    _assert_exactly_once(rows, 3, 2)
-    _assert_same_final(launch.out, _reference(tmp_path / "ref", 3, 2))
+    assert_exactly_once(rows, 3, 2, COMMIT)
+    assert_same_final(launch.out, _reference(tmp_path / "ref", 3, 2))
     print(f"recovery: kill to the last survivor's first step {_first_step_of(rows, 2) - killed:.2f} s (kill to "
           f"the new copies' start {min(r['t0'] for r in starts) - killed:.2f} s, to the last one restored "
           f"{max(r['at'] for r in starts) - killed:.2f} s)")
@@ -233,8 +215,8 @@ def test_grow_two_to_three_at_the_next_commit_matches_the_reference(tmp_path: Pa
     assert max(r["step"] for r in first) == COMMIT * EVERY, "the world of 2 went past the commit it stopped at"
     starts = [r for r in rows if r["event"] == "start" and r["resumed"] > 0]
     assert len(starts) == 3 and all((r["world"], r["restart"], r["commits"]) == (3, 0, COMMIT) for r in starts)
-    _assert_exactly_once(rows, 2, 3)
-    _assert_same_final(launch.out, _reference(tmp_path / "ref", 2, 3))
+    assert_exactly_once(rows, 2, 3, COMMIT, rollback=False)
+    assert_same_final(launch.out, _reference(tmp_path / "ref", 2, 3))
     print(f"growth: from the go to the last new rank's first step {_first_step_of(rows, 3) - go:.2f} s (to the "
           f"new copies' start {min(r['t0'] for r in starts) - go:.2f} s, to the last one restored "
           f"{max(r['at'] for r in starts) - go:.2f} s)")

@@ -1,9 +1,12 @@
 """A torchrun elastic job on one machine, for the tests and the benchmark: agents that can be killed one by one.
 
-The rendezvous store is hosted here (a c10d ``TCPStore``), and every agent is
-started with ``--rdzv-conf is_host=0``, so any agent, the first one included,
-can be killed without taking the store down (as when the store runs on a
-machine of its own). Each agent runs one worker (``--nproc-per-node 1``): an
+The rendezvous store is hosted here (a c10d ``TCPStore``), or by a process of
+the caller's (``network=``, e.g. on a simulated machine of its own),
+and every agent is started with ``--rdzv-conf is_host=0``, so any agent, the
+first one included, can be killed without taking the store down (as when the
+store runs on a machine of its own). With ``network=`` each agent runs inside its
+node (``tests/support/elastic_netsim.py``: network namespaces on a simulated
+link). Each agent runs one worker (``--nproc-per-node 1``): an
 agent and its worker together are one "node". The agents' keep-alive is 1 s
 with 3 misses, so a killed node leaves the rendezvous within about 3 s.
 
@@ -21,13 +24,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 from torch.distributed import TCPStore
 
 from .harness import ROOT
 from .torch_workers import free_port
 
-__all__ = ["ElasticJob", "RDZV_CONF", "read_steps"]
+__all__ = ["ElasticJob", "Network", "RDZV_CONF", "read_steps"]
 
 #: The agents' ``--rdzv-conf``: the store is not theirs, a dead node leaves within about 3 s, a round closes
 #: 1 s after its last arrival.
@@ -43,6 +47,19 @@ def read_steps(out: Path) -> list[dict]:
     return rows
 
 
+class Network(Protocol):
+    """Where a job's agents run when they are not all on this machine's loopback."""
+
+    endpoint: str  #: the rendezvous store's ``host:port`` (hosted by the caller)
+    env: dict[str, str]  #: added to every agent's environment (e.g. ``GLOO_SOCKET_IFNAME``)
+
+    def addr(self, node: int) -> str:
+        """Node ``node``'s address (the agent's ``--local-addr``)."""
+
+    def node_argv(self, node: int, argv: list[str]) -> list[str]:
+        """``argv`` run inside node ``node``."""
+
+
 class ElasticJob:
     """Agents of ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` running ``script`` with ``args``.
 
@@ -54,15 +71,24 @@ class ElasticJob:
         max_restarts: torchrun's ``--max-restarts``.
         rdzv_conf: ``--rdzv-conf`` entries that replace or add to the harness's own (:data:`RDZV_CONF`), e.g.
             ``{"join_timeout": 5}``.
+        network: run each agent inside its node of ``network``, against the store at ``network.endpoint``;
+            default: every agent on loopback, against a store hosted here.
     """
 
     def __init__(self, out: Path, script: Path, args: list[str], *, nnodes: str, run_id: str,
-                 max_restarts: int = 3, rdzv_conf: dict[str, float | int | str] | None = None) -> None:
+                 max_restarts: int = 3, rdzv_conf: dict[str, float | int | str] | None = None,
+                 network: Network | None = None) -> None:
         self.out, self.script, self.args = out, script, args
         self.nnodes, self.run_id, self.max_restarts = nnodes, run_id, max_restarts
         self.rdzv_conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, **(rdzv_conf or {})}.items())
-        self.port = free_port()
-        self.store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.network = network
+        self.store: TCPStore | None = None
+        if network is None:
+            port = free_port()
+            self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            self.endpoint = f"127.0.0.1:{port}"
+        else:
+            self.endpoint = network.endpoint
         self.agents: list[subprocess.Popen] = []
 
     def add_agent(self, node: int) -> subprocess.Popen:
@@ -71,10 +97,15 @@ class ElasticJob:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
                "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.2",
-               "--rdzv-conf", self.rdzv_conf,
-               str(self.script), str(self.out), "--commit-dir", str(self.out.parent / f"node{node}"), *self.args]
+               "--rdzv-conf", self.rdzv_conf]
+        if self.network is not None:
+            env.update(self.network.env)
+            cmd += ["--local-addr", self.network.addr(node)]
+        cmd += [str(self.script), str(self.out), "--commit-dir", str(self.out.parent / f"node{node}"), *self.args]
+        if self.network is not None:
+            cmd = self.network.node_argv(node, cmd)
         log = open(self.out / f"agent{len(self.agents)}.log", "w")
         agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)

@@ -1,4 +1,4 @@
-"""Elastic training under torchrun's elastic agent (c10d rendezvous): a node killed, a node added.
+"""Elastic training under torchrun's elastic agent (c10d rendezvous): a node killed, a node added, two killed.
 
 Each test runs a real elastic job of ``tests/support/launched/elastic_train.py`` (SGD with momentum at
 ``zero=0`` and AdamW at ``zero=1``, side by side) and a reference of the same schedule without the fault:
@@ -67,6 +67,24 @@ def test_elastic_grow_two_to_three_matches_reference(tmp_path: Path, elastic_ref
         f"the node that joined does not keep the commit it received: {joined}"
     assert_exactly_once(read_steps(out), 2, 3, COMMIT)
     assert_same_final(out, elastic_reference(2, 3, COMMIT))
+
+
+def test_elastic_nnodes_1_to_3_last_node_goes_on_alone(tmp_path: Path, elastic_reference: Reference) -> None:
+    """``--nnodes 1:3``: two of three nodes killed, the last one re-forms a world of one from the commit."""
+    job, out = start_job(tmp_path, "out", 3, ["--pause-after-commit", str(COMMIT), "--pause-ranks", "1,2"],
+                         f"alone-{uuid.uuid4().hex[:8]}", nnodes="1:3")
+    try:
+        for rank in (1, 2):
+            job.kill_node(out / f"paused.rank{rank}")
+        codes = job.wait(150)
+        assert_no_orphans(job)
+    finally:
+        job.close()
+    assert sorted(codes) == [-9, -9, 0], f"agents' exit codes {codes}\n{job.report()}"
+    starts = [r for r in read_steps(out) if r["event"] == "start" and r["resumed"] > 0]
+    assert len(starts) == 1 and starts[0]["world"] == 1 and starts[0]["commits"] == COMMIT, starts
+    assert_exactly_once(read_steps(out), 3, 1, COMMIT)
+    assert_same_final(out, elastic_reference(3, 1, COMMIT))
 
 
 def test_elastic_run_under_mpiexec_is_a_clear_error(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.elastic.jobs import assert_exactly_once, assert_no_orphans, assert_same_final, resumed_after, start_job
-from tests.support.elastic_job import read_steps
+from tests.support.elastic_job import ElasticJob, read_steps
 from tests.support.elastic_netsim import SimNetNodes, why_not
 
 REASON = why_not()
@@ -34,9 +34,11 @@ Reference = Callable[[int, int, int], Path]
 BOUND = 15.0  # s from the cut to a survivor's heartbeat line (lost_after 6 s, a beat 1 s)
 
 
-def _check(base: Path, out: Path, codes: list[int], want: list[int], elastic_reference: Reference, job: object
+def _check(out: Path, codes: list[int], want: list[int], elastic_reference: Reference, job: ElasticJob
            ) -> list[dict]:
-    assert sorted(codes) == want, f"agents' exit codes {codes}\n{job.report()}"  # type: ignore[attr-defined]
+    """The agents' exit codes are ``want``; the world of two resumed from commit 2 and ended as the reference,
+    every sample once. Returns the workers' rows."""
+    assert sorted(codes) == want, f"agents' exit codes {codes}\n{job.report()}"
     rows = read_steps(out)
     starts = [r for r in rows if r["event"] == "start" and r["resumed"] > 0]
     assert len(starts) == 2 and all(r["world"] == 2 and r["commits"] == 2 for r in starts), starts
@@ -58,7 +60,7 @@ def test_elastic_kill_one_of_three_simulated_machines(tmp_path: Path, elastic_re
             assert_no_orphans(job)
         finally:
             job.close()
-    rows = _check(tmp_path, out, codes, [-9, 0, 0], elastic_reference, job)
+    rows = _check(out, codes, [-9, 0, 0], elastic_reference, job)
     print(f"simulated machines, node 2 killed: the world of two stepped {resumed_after(rows, killed):.1f} s later")
 
 
@@ -86,6 +88,6 @@ def test_elastic_cut_cable_is_seen_by_the_heartbeat(tmp_path: Path, elastic_refe
             job.close()
     assert seen is not None and seen < BOUND, f"no survivor wrote {message!r} within {BOUND} s ({seen})\n" \
         f"{job.report()}"
-    rows = _check(tmp_path, out, codes, [0, 0], elastic_reference, job)
+    rows = _check(out, codes, [0, 0], elastic_reference, job)
     print(f"simulated machines, node 2's cable cut: heartbeat line {seen:.1f} s later, the world of two stepped "
           f"{resumed_after(rows, cut_wall):.1f} s later")

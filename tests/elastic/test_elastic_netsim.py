@@ -6,7 +6,7 @@ separate machines do. Two faults, two steps after commit 2:
 
 - node 2's agent and worker are SIGKILLed;
 - node 2's cable is cut (its link taken down): its processes live on, but no packet reaches them or leaves, so
-  no connection fails. Every survivor's heartbeat must say ``no heartbeat from rank 2`` within 15 s.
+  no connection fails. A survivor's heartbeat must say ``no heartbeat from rank 2`` within 15 s.
 
 In both, the two survivors re-form the world from commit 2 and end bitwise equal to the reference of that
 schedule (run on loopback: the network does not change a bit), with every sample of every epoch used once and

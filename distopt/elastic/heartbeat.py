@@ -162,7 +162,6 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         """Start the beating thread and the checking thread (daemons: they never keep the process alive).
         A peer is judged from its first beat on, or from :meth:`arm` if it has not beaten by then."""
-        self.watch = PeerWatch(self._peers, self.lost_after, self._clock(), armed=False)
         for target, name in ((self._beat, "distopt-heartbeat"), (self._check, "distopt-heartbeat-check")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -177,9 +176,8 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop checking at once (a beating thread stuck in a store call is left to die with the process)."""
         self._stop.set()
-        for thread in self._threads:
-            if thread.name == "distopt-heartbeat-check":
-                thread.join(timeout=2 * BEAT_S)
+        if self._threads:
+            self._threads[1].join(timeout=2 * BEAT_S)  # the checker (the beater may be stuck in the store)
 
     def _beat(self) -> None:
         store = None

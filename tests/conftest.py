@@ -32,6 +32,18 @@ TIERS = ("unit", "world", "job")
 MPICH_BEFORE = pytest.StashKey[set]()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cupy", choices=("auto", "real", "standin"), default="auto",
+                     help="CuPy of the GPU tests: the installed one (auto, real) or the CPU stand-in in "
+                          "tests/standin (standin; also what auto uses where CuPy is not installed)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.support import gpu
+
+    gpu.MODE = config.getoption("--cupy")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
     wrong = []
     inner = Path(__file__).resolve().parent / "support" / "mpi"

@@ -3,10 +3,22 @@
 Stream order: every collective runs on the communicator's own CUDA stream,
 which first waits (``cudaStreamWaitEvent``) for an event recorded on the
 caller's current stream, so the kernels that filled the buffer finish
-before NCCL reads it (ChainerMN PR 201); the caller's
-current stream then waits for the collective, so later kernels see the
-result. No host synchronisation happens except where a count must reach
-the host (``all_gather_v``).
+before NCCL reads it (ChainerMN PR 201); the caller's current stream then
+waits for the collective, so later kernels see the result. The two events
+are made once, without timing. No host synchronisation happens except where
+a count must reach the host (``all_gather_v``).
+
+Set-up: the NCCL unique id is made by rank 0 for each communicator and
+broadcast over the host control plane (MPI or shared memory), since an id
+serves one ``ncclCommInitRank`` round only; a barrier on the control plane
+right before the init turns a missing rank into a bounded
+:class:`~distopt.errors.CollectiveTimeoutError` instead of an init that
+blocks for good.
+
+Each call runs with the communicator's device current (``with device:``),
+so a call from another host thread allocates its temporaries on the right
+GPU. After an abort (an NCCL error or a host wait past its deadline) every
+call raises :class:`~distopt.errors.DistOptError` naming the cause.
 
 The sharded collectives (reduce-scatter, in-place all-gather, all-to-all,
 with ``_async`` forms) are in :mod:`~distopt.comm.nccl_shards`, the dtype and
@@ -20,53 +32,56 @@ two ranks on one GPU ("Duplicate GPU detected").
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-try:
-    import cupy
-    from cupy.cuda import nccl
-except ImportError as exc:  # turned into BackendUnavailableError by distopt.comm.create
-    raise ImportError(f"the NCCL backend needs CuPy with NCCL: {exc}") from exc
-
 from ..errors import CollectiveTimeoutError, DistOptError
 from ..launch.devices import device_index
-from .base import check_reduce_args
+from .base import _check_contiguous, check_reduce_args
 from .lifecycle import CommunicatorState, Completed, collective
 from .messages import STALLED, failure_message, timeout_message, where
-from .nccl_shards import NcclShards
-from .nccl_types import nccl_dtype, nccl_op
+from .nccl_shards import NcclShards, on_device
+from .nccl_types import cupy, nccl, nccl_dtype, nccl_op
 from .wait import Backoff, resolve_timeout, wait_until
 
 if TYPE_CHECKING:
-    from ..launch.ranks import RankInfo
     from ..launch.info import Launch
+    from ..launch.ranks import RankInfo
 
 _BACKOFF = Backoff(busy_s=0.0, yield_s=0.0, min_sleep_s=1e-5, max_sleep_s=1e-3)
 
-__all__ = ["NcclCommunicator", "unique_id_from_mpi", "new_unique_id"]
+__all__ = ["NcclCommunicator", "unique_id_from", "new_unique_id", "on_device"]
+
 
 def new_unique_id() -> tuple[int, ...]:
-    """A fresh NCCL unique id (128 ints), the job's "ticket"."""
+    """A fresh NCCL unique id as 128 ints (``bytes`` in CuPy 14 give 0..255, C ``char`` in CuPy 13 gives
+    -128..127 on x86-64 and 0..255 on aarch64). It starts NCCL's bootstrap root in this process and serves
+    ONE communicator."""
     return tuple(int(v) for v in nccl.get_unique_id())
 
 
 def _open(size: int, unique_id: Any, rank: int) -> Any:
-    """``ncclCommInitRank`` through CuPy, whose id type changed: bytes (CuPy 14) or 128 signed ints (13)."""
+    """``ncclCommInitRank`` through CuPy, whose id type changed: ``bytes`` (CuPy 14), or a tuple of C
+    ``char`` (CuPy 13: signed on x86-64, unsigned on aarch64, where a negative value is OverflowError)."""
     ints = [int(v) for v in unique_id]
-    try:
-        return nccl.NcclCommunicator(size, bytes(v % 256 for v in ints), rank)
-    except TypeError:
-        return nccl.NcclCommunicator(size, tuple(v - 256 if v > 127 else v for v in ints), rank)
+    forms = (bytes(v % 256 for v in ints), tuple(v - 256 if v > 127 else v for v in ints),
+             tuple(v % 256 for v in ints))
+    for form in forms[:-1]:
+        try:
+            return nccl.NcclCommunicator(size, form, rank)
+        except (TypeError, OverflowError):
+            continue
+    return nccl.NcclCommunicator(size, forms[-1], rank)
 
 
-def unique_id_from_mpi(mpi: Any) -> tuple[int, ...]:
-    """Rank 0 creates the NCCL unique id and MPI broadcasts it (an int64 buffer)."""
+def unique_id_from(control: Any) -> tuple[int, ...]:
+    """Rank 0 of ``control`` (a host communicator: MPI, shared memory) makes a fresh NCCL unique id and
+    broadcasts it (an int64 buffer of 128 elements); every rank returns it."""
     buf = np.zeros(128, dtype=np.int64)
-    if mpi.rank == 0:
+    if control.rank == 0:
         buf[:] = new_unique_id()
-    mpi.broadcast(buf, root=0)
+    control.broadcast(buf, root=0)
     return tuple(int(v) for v in buf)
 
 
@@ -76,15 +91,17 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     Args:
         rank: this process's rank, ``0 <= rank < size``.
         size: world size.
-        unique_id: the NCCL unique id shared by all ranks (see
-            :func:`new_unique_id`, :class:`distopt.nccl_id.NcclIdHolder`).
+        unique_id: an NCCL unique id (see :func:`new_unique_id`) that no other
+            communicator used, or None to have rank 0 of ``control`` make one
+            and broadcast it (:func:`unique_id_from`).
         device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``).
         control: a host communicator of the same ranks (MPI or shared
             memory) for collectives on NumPy arrays (DistOpt's step header
             and flags): they then never wait on the device, so a
             steady-state plain or half step synchronises the host zero
             times (``host_syncs`` stays put). Without it they are staged
-            through the device, one host wait each. Closed with this one.
+            through the device, one host wait each. Closed with this one,
+            also when the set-up fails.
         timeout: deadline in seconds of every host-side wait (default
             ``$DISTOPT_TIMEOUT`` or 300). Device-side, collectives are only
             enqueued; wherever the host waits for one (host arrays, counts,
@@ -92,46 +109,71 @@ class NcclCommunicator(NcclShards, CommunicatorState):
             asynchronous error, and on an error or the deadline it aborts the
             NCCL communicator (``ncclCommAbort``) so that no kernel stays
             blocked, then raises.
+
+    Raises:
+        ValueError: no ``unique_id`` and no ``control``; a control
+            communicator of other ranks.
+        CollectiveTimeoutError: a rank did not reach the set-up (control plane's deadline).
+        cupy.cuda.nccl.NcclError: NCCL refused the set-up (for example two ranks on one GPU).
     """
 
     name = "nccl"
 
-    def __init__(self, rank: int, size: int, unique_id: Any, device: int = 0,
+    def __init__(self, rank: int, size: int, unique_id: Any = None, device: int = 0,
                  timeout: float | None = None, control: Any = None) -> None:
-        if unique_id is None:
-            raise ValueError("unique_id is required for the NCCL backend (an NcclIdHolder carrying an NCCL id)")
         self.rank = int(rank)
         self.size = int(size)
-        if control is not None and (control.rank, control.size) != (self.rank, self.size):
-            raise ValueError(f"control communicator is rank {control.rank} of {control.size}, "
-                             f"the NCCL one rank {self.rank} of {self.size}")
         self.control = control
-        self.host_syncs = 0  # host waits on the device (see the class docs)
-        self.timeout = resolve_timeout(timeout)
-        self.device = cupy.cuda.Device(device)
-        self.device.use()
-        self._comm = _open(self.size, unique_id, self.rank)
-        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._comm: Any = None
+        self._broken = ""
+        try:
+            if unique_id is None and control is None:
+                raise ValueError("the NCCL backend needs unique_id or a control communicator to agree on one")
+            if control is not None and (control.rank, control.size) != (self.rank, self.size):
+                raise ValueError(f"control communicator is rank {control.rank} of {control.size}, "
+                                 f"the NCCL one rank {self.rank} of {self.size}")
+            self.host_syncs = 0  # host waits on the device (see the class docs)
+            self.timeout = resolve_timeout(timeout)
+            self.device = cupy.cuda.Device(device)
+            with self.device:
+                if unique_id is None:
+                    unique_id = unique_id_from(control)
+                if control is not None:
+                    control.barrier()  # every rank is here: the init below cannot wait for a dead one
+                self._comm = _open(self.size, unique_id, self.rank)
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+                self._ready, self._finished, self._host_event = (cupy.cuda.Event(disable_timing=True)
+                                                                 for _ in range(3))
+        except BaseException:
+            if control is not None:
+                control.close()
+            raise
 
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[NcclCommunicator, RankInfo]:
-        """Build it with its host control plane: in the multiprocessing mode shared memory and the
-        holder's NCCL id, else MPI (ranks from MPI, rank 0's new NCCL id broadcast over it).
+        """Build it with its host control plane: shared memory in the multiprocessing mode, else MPI; the
+        NCCL id made by rank 0 and broadcast over it.
 
         Raises:
             BackendUnavailableError: MPI is needed but cannot be imported.
-            ValueError: as the control plane's ``from_launch``, or a holder without an NCCL id.
+            ValueError: as the control plane's ``from_launch``, or more local ranks than visible devices
+                (on every rank, naming the count).
         """
         from . import backend_class
 
-        if launch.holder is not None:
-            control, info = backend_class("shm").from_launch(launch)
-            unique_id = launch.holder.nccl_id
-        else:
-            control, info = backend_class("mpi").from_launch(launch)
-            unique_id = unique_id_from_mpi(control)
-        device = device_index(info.local_rank, launch.env, local_size=info.local_size)
-        return cls(info.global_rank, info.world_size, unique_id, device, launch.timeout, control), info
+        control, info = backend_class("shm" if launch.holder is not None else "mpi").from_launch(launch)
+        try:
+            device = device_index(info.local_rank, launch.env, device_count=cupy.cuda.runtime.getDeviceCount(),
+                                  local_size=info.local_size)
+        except BaseException:
+            control.close()
+            raise
+        return cls(info.global_rank, info.world_size, None, device, launch.timeout, control), info
+
+    def _check_live(self, call: str) -> None:
+        if self._broken:
+            raise DistOptError(f"{call} on rank {self.rank}: the NCCL communicator was aborted ({self._broken}) "
+                               "and cannot be used again; build a new one")
 
     def _host_wait(self, what: str) -> None:
         """Wait on the host until the caller's stream has passed the last collective, bounded.
@@ -143,36 +185,39 @@ class NcclCommunicator(NcclShards, CommunicatorState):
                 aborted, so no rank stays blocked in a kernel).
         """
         self.host_syncs += 1
-        done = cupy.cuda.get_current_stream().record()
+        done = self._host_event
+        done.record(cupy.cuda.get_current_stream())
 
         def check() -> None:
             try:
                 self._comm.check_async_error()
             except nccl.NcclError as exc:
-                self._abort()
+                self._abort(f"NCCL error {exc} in {what}")
                 raise DistOptError(failure_message(where("nccl", what, self.rank), f"NCCL error {exc}",
                                                    "communicator aborted")) from exc
 
         def expired() -> CollectiveTimeoutError:
-            self._abort()
+            self._abort(f"{what} past its {self.timeout} s deadline")
             return CollectiveTimeoutError(timeout_message(where("nccl", what, self.rank), self.timeout,
                                                           f"{STALLED}; NCCL communicator aborted"))
 
         wait_until(lambda: done.done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF, check=check,
                    check_every_s=0.0)
 
-    def _abort(self) -> None:
+    def _abort(self, reason: str) -> None:
         if self._comm is not None:
             self._comm.abort()
             self._comm = None
+        self._broken = reason
 
-    def _run(self, fn: Any) -> None:
+    def _run(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(stream_ptr)`` on the comm stream, ordered after and before the caller's stream."""
         caller = cupy.cuda.get_current_stream()
-        ready = caller.record()
-        self._stream.wait_event(ready)
+        self._ready.record(caller)
+        self._stream.wait_event(self._ready)
         fn(self._stream.ptr)
-        caller.wait_event(self._stream.record())
+        self._finished.record(self._stream)
+        caller.wait_event(self._finished)
 
     def _host_call(self, name: str, array: np.ndarray, *args: Any) -> Any:
         """A sharded collective on a NumPy array: by the control communicator, else staged through the
@@ -187,11 +232,13 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         return staged.get()
 
     @collective
+    @on_device
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
 
-        A NumPy array (DistOpt's small control buffers: flags, metrics) is
-        staged through the device and copied back, synchronously.
+        A NumPy array (DistOpt's small control buffers: flags, metrics) goes
+        over the control communicator, or without one is staged through the
+        device and copied back, synchronously.
         """
         if isinstance(array, np.ndarray) and self.control is not None:
             return self.control.all_reduce(array, op)
@@ -219,8 +266,14 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         return Completed(self.all_reduce(array, op))
 
     @collective
+    @on_device
     def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast from ``root`` on the comm stream (NumPy arrays staged, synchronously)."""
+        """In-place broadcast from ``root`` on the comm stream (NumPy arrays by the control communicator or
+        staged, synchronously).
+
+        Raises:
+            TypeError: ``array`` is not C-contiguous (NCCL reads ``size`` elements from its first one).
+        """
         if isinstance(array, np.ndarray) and self.control is not None:
             return self.control.broadcast(array, root)
         if isinstance(array, np.ndarray):
@@ -228,12 +281,14 @@ class NcclCommunicator(NcclShards, CommunicatorState):
             self._host_wait(f"broadcast of {array.size} host elements")
             array[...] = staged.get()
             return array
+        _check_contiguous(array)
         dtype = nccl_dtype(array)
         if array.size:
             self._run(lambda s: self._comm.bcast(array.data.ptr, array.size, dtype, root, s))
         return array
 
     @collective
+    @on_device
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
         if isinstance(array, np.ndarray) and self.control is not None:
@@ -250,8 +305,10 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         return out
 
     @collective
+    @on_device
     def all_gather_v(self, array: Any) -> list[Any]:
-        """Variable-length all-gather of 1-D arrays: counts first (one host sync), then padded data."""
+        """Variable-length all-gather of 1-D arrays: counts first (over the control plane, or one host
+        sync), then padded data."""
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
         if isinstance(array, np.ndarray) and self.control is not None:
@@ -265,6 +322,7 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         return [gathered[r, :int(c)] for r, c in enumerate(counts)]
 
     @collective
+    @on_device
     def barrier(self) -> None:
         """All-reduce one element and wait for it on the host."""
         self.all_reduce(cupy.zeros(1, dtype=cupy.float32))
@@ -278,9 +336,12 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         if self.closed:
             return
         self.closed = True
-        if self._comm is not None:
-            self._host_wait("close")
-            self._comm.destroy()
-            self._comm = None
-        if self.control is not None:
-            self.control.close()
+        try:
+            if self._comm is not None:
+                with self.device:
+                    self._host_wait("close")
+                    self._comm.destroy()
+                self._comm = None
+        finally:
+            if self.control is not None:
+                self.control.close()

@@ -10,22 +10,38 @@ is padded to ``max(counts)`` in a zeroed ``(size, max(counts))`` copy (the
 gather copies back). The ``_async`` forms return completed handles: the
 work is already ordered on the caller's stream. As for the other NCCL
 collectives there is no cross-rank agreement check (it would cost a host
-round trip per call).
+round trip per call). Each call runs with the communicator's device current
+(:func:`~distopt.comm.nccl.on_device`); a failing send or receive inside
+the group still ends the group (``groupEnd`` in ``finally``), so the
+thread's later NCCL calls are not left collected forever.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-import cupy
-from cupy.cuda import nccl
 
 from .base import check_counts, check_reduce_args, check_rows
 from .lifecycle import Completed, collective
-from .nccl_types import nccl_dtype, nccl_op
+from .nccl_types import cupy, nccl, nccl_dtype, nccl_op
 
-__all__ = ["NcclShards"]
+__all__ = ["NcclShards", "on_device"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_device(method: F) -> F:
+    """Run a communicator method with the communicator's device current (CuPy's current device is per
+    host thread), after checking that the communicator was not aborted."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_live(method.__name__)
+        with self.device:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def _starts(counts: Sequence[int]) -> list[int]:
@@ -41,8 +57,11 @@ class NcclShards:
     _comm: Any  # the NCCL communicator
     _run: Callable[[Callable[[int], None]], None]  # runs fn(stream) ordered after and before the caller's stream
     _host_call: Callable[..., Any]  # a sharded collective on a NumPy array (the control communicator's)
+    device: Any  # the CUDA device (cupy.cuda.Device)
+    _check_live: Callable[[str], None]  # raises once the communicator was aborted
 
     @collective
+    @on_device
     def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
         """Reduce-scatter on the comm stream into a new array of ``counts[rank]`` elements; ``array`` is
         left unchanged. See :meth:`distopt.comm.base.Communicator.reduce_scatter` (no cross-rank
@@ -72,6 +91,7 @@ class NcclShards:
         return Completed(self.reduce_scatter(array, counts, op))
 
     @collective
+    @on_device
     def all_gather_into(self, array: Any, counts: Sequence[int] | None = None) -> Any:
         """In-place all-gather of per-rank segments on the comm stream; returns ``array``. See
         :meth:`distopt.comm.base.Communicator.all_gather_into` and, for unequal counts, the padding above."""
@@ -100,6 +120,7 @@ class NcclShards:
         return Completed(self.all_gather_into(array, counts))
 
     @collective
+    @on_device
     def all_to_all(self, array: Any) -> Any:
         """Row j of ``array`` to rank j by grouped send/receive on the comm stream; a new array of
         ``array``'s shape (NumPy in, NumPy out). See :meth:`distopt.comm.base.Communicator.all_to_all`."""
@@ -112,11 +133,13 @@ class NcclShards:
 
         def exchange(stream: int) -> None:
             nccl.groupStart()
-            for p in range(self.size):
-                offset = p * k * array.itemsize
-                self._comm.send(array.data.ptr + offset, k, dtype, p, stream)
-                self._comm.recv(out.data.ptr + offset, k, dtype, p, stream)
-            nccl.groupEnd()
+            try:
+                for p in range(self.size):
+                    offset = p * k * array.itemsize
+                    self._comm.send(array.data.ptr + offset, k, dtype, p, stream)
+                    self._comm.recv(out.data.ptr + offset, k, dtype, p, stream)
+            finally:
+                nccl.groupEnd()
 
         if k:
             self._run(exchange)

@@ -28,7 +28,8 @@ def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
 
     Args:
         x: Array of any shape (NumPy or CuPy), floating point.
-        wire_dtype: ``"float16"`` or ``"bfloat16"`` (NumPy only, via ml_dtypes).
+        wire_dtype: ``"float16"`` or ``"bfloat16"`` (ml_dtypes' type: NumPy, and
+            CuPy 14 or later, which holds ml_dtypes' bfloat16 arrays).
         scale: Factor applied before the cast, e.g. ``pre`` of :func:`half_scales`.
 
     Returns:
@@ -36,7 +37,7 @@ def to_wire(x: Any, wire_dtype: str, scale: float = 1.0) -> Any:
 
     Raises:
         ValueError: If ``wire_dtype`` is not one of ``WIRE_DTYPES``.
-        TypeError: If ``wire_dtype`` is bfloat16 and ``x`` is a CuPy array.
+        TypeError: If ``wire_dtype`` is bfloat16 and ``x`` is an array of CuPy 13 or older.
         ImportError: If bfloat16 is asked for and ml_dtypes is not installed.
     """
     wire = _wire_dtype(wire_dtype, x)
@@ -119,8 +120,9 @@ def _wire_dtype(name: str, x: Any) -> Any:
         raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {name!r}")
     if name == "float16":
         return xp(x).float16
-    if is_cupy(x):
-        raise TypeError("bfloat16 wire dtype is not supported for CuPy arrays (CuPy has no bfloat16); use 'float16'")
+    if is_cupy(x) and int(xp(x).__version__.split(".")[0]) < 14:
+        raise TypeError(f"bfloat16 wire dtype on CuPy arrays needs CuPy 14 or later (bfloat16 through ml_dtypes), "
+                        f"this is CuPy {xp(x).__version__}; use 'float16'")
     try:
         import ml_dtypes
     except ImportError as e:

@@ -79,9 +79,10 @@ def topk_indices(x: Any, k: int) -> Any:
     selection among them gives the result. When fewer than ``k`` pass (or
     the sample's threshold is 0), the exact selection runs on all of ``x``,
     so the result never depends on the sample. O(n) either way. CuPy
-    arrays take the same route on the device (the candidate pass is one
-    ``flatnonzero``), so only the ~k candidates are ever sorted (CuPy's
-    ``partition`` sorts).
+    arrays take the same route on the device with one host synchronisation
+    (the candidates' count, from one ``flatnonzero``), and the exact
+    selection is a stable sort by descending magnitude (no synchronisation),
+    so only the ~k candidates are sorted on the sampled route.
 
     Args:
         x: 1-D floating-point array (NumPy or CuPy) of ``n`` elements.
@@ -108,15 +109,19 @@ def topk_indices(x: Any, k: int) -> Any:
     r = math.ceil(mean + 5 * math.sqrt(mean) + 4)
     if n <= 2 * _SAMPLE_SIZE or r > _SAMPLE_SIZE // 2:
         return _exact(x, k).astype(itype, copy=False)
-    mod = xp(x)
-    sample = _magnitude(x[mod.asarray(_sample_positions(n, _SAMPLE_SIZE))])
-    t = float(mod.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r])
+    if is_cupy(x):
+        # the threshold stays on the device: the candidates' count is the one host synchronisation (a
+        # threshold of 0 or less lets every number through, still a superset of the top k)
+        sample = _magnitude(x[_device_sample_positions(n, _SAMPLE_SIZE, x.device.id)])
+        t = xp(x).partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r]
+        candidates = xp(x).flatnonzero(xp(x).abs(x) >= t)  # NaN fails the comparison, as it ranks last
+        if candidates.size >= k:
+            return candidates[_select(xp(x).abs(x[candidates]), k)].astype(itype)
+        return _exact(x, k).astype(itype, copy=False)
+    sample = _magnitude(x[_sample_positions(n, _SAMPLE_SIZE)])
+    t = float(np.partition(sample, _SAMPLE_SIZE - r)[_SAMPLE_SIZE - r])
     if t > 0:
-        if is_cupy(x):  # one pass on the device; NaN fails the comparison, as it ranks last
-            candidates = mod.flatnonzero(mod.abs(x) >= t)
-            magnitudes = mod.abs(x[candidates])
-        else:
-            candidates, magnitudes = scan(x, x.dtype.type(t))
+        candidates, magnitudes = scan(x, x.dtype.type(t))
         if candidates.size >= k:
             return candidates[_select(magnitudes, k)].astype(itype)
     return _exact(x, k).astype(itype, copy=False)
@@ -134,6 +139,15 @@ def _sample_positions(n: int, size: int) -> np.ndarray:
     positions = np.sort(np.random.default_rng(_SEED).integers(0, n, size)).astype(index_dtype(n))
     positions.setflags(write=False)
     return positions
+
+
+@functools.lru_cache(maxsize=32)
+def _device_sample_positions(n: int, size: int, device: int) -> Any:
+    """:func:`_sample_positions` copied to ``device`` once (CuPy), instead of once per call."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(_sample_positions(n, size))
 
 
 def _magnitude(x: Any) -> Any:
@@ -157,6 +171,8 @@ def _select(a: Any, k: int) -> Any:
     ``k`` in all.
     """
     mod = xp(a)
+    if mod is not np:  # no host synchronisation: the first k of a stable sort by descending value
+        return mod.sort(mod.argsort(-a, kind="stable")[:k])
     v = mod.partition(a, a.size - k)[a.size - k]
     keep = a > v
     need = k - int(mod.count_nonzero(keep))

@@ -1,12 +1,13 @@
-"""NumPy/CuPy dispatch: which array module an array belongs to."""
+"""NumPy/CuPy dispatch: which array module an array belongs to; the finiteness test over many arrays."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["xp_of", "is_cupy"]
+__all__ = ["xp_of", "is_cupy", "any_not_finite"]
 
 
 def is_cupy(array: Any) -> bool:
@@ -21,3 +22,32 @@ def xp_of(array: Any) -> ModuleType:
 
         return cupy
     return np
+
+
+def any_not_finite(arrays: Iterable[Any]) -> bool:
+    """Whether some element of some array (NumPy or CuPy, floating point) is a NaN or an inf.
+
+    A NumPy array costs one sum (in float32 at least) while it is finite, and
+    the elementwise test only when the sum is not (a NaN, an inf, or a finite
+    overflow); the first bad one ends the test. CuPy arrays are tested on the
+    device, one flag each, and the flags are read with ONE host
+    synchronisation for all of them.
+    """
+    device = []
+    for array in arrays:
+        if not array.size:
+            continue
+        if is_cupy(array):
+            device.append(array)
+        elif not _host_finite(array):
+            return True
+    if not device:
+        return False
+    mod = xp_of(device[0])
+    return not bool(mod.stack([mod.isfinite(a).all() for a in device]).all())
+
+
+def _host_finite(array: np.ndarray) -> bool:
+    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
+        return True
+    return bool(np.isfinite(array).all())

@@ -5,7 +5,8 @@ The rule (one table in ``docs/launch.md``), first match wins:
 ======================================== ================== ===========================================
 launched by                              variables read     backend
 ======================================== ================== ===========================================
-:func:`distopt.launch.spawn` (nccl_id)   the arguments      ``nccl`` if the holder has an NCCL id, else ``shm``
+:func:`distopt.launch.spawn` (nccl_id)   the arguments      ``nccl`` if CuPy loads NCCL and the node has
+                                                            ``gpu_per_node`` devices, else ``shm``
 ``python -m distopt.launch``             ``RANK`` ... +     ``shm``
                                          ``DISTOPT_JOB_ID``
 ``torchrun``                             ``RANK`` ... +     ``torch`` (gloo; NCCL for CUDA tensors)
@@ -64,14 +65,42 @@ def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
 
 
 def _spawned_backend(launch: Launch, backend: str | None) -> str:
-    """The backend of the multiprocessing mode: NCCL when the holder carries an NCCL id, else shm."""
+    """The backend of the multiprocessing mode: NCCL when CuPy can load NCCL and this node has a device
+    for each of its ``gpu_per_node`` processes, else shm (the GPUs, if any, then shared over host memory;
+    the reason is logged once, on rank 0). Every process of the job sees the same machine, so all choose
+    alike; a forced ``backend="nccl"`` with too few devices fails on every rank, naming the count."""
     if launch.gpu_num is None or launch.gpu_per_node is None:
         raise ValueError("nccl_id needs gpu_num (this process's rank) and gpu_per_node (the world size)")
-    chosen = backend or ("nccl" if getattr(launch.holder, "nccl_id", None) is not None else "shm")
+    chosen = backend
+    if chosen is None:
+        why_not = nccl_unfit(launch.gpu_per_node)
+        chosen = "shm" if why_not else "nccl"
+        if why_not and launch.gpu_num == 0:
+            log.info("multiprocessing mode over shared memory: %s", why_not)
     if chosen not in ("shm", "nccl"):
         raise ValueError(f"backend={chosen!r} does not fit the multiprocessing mode (nccl_id given); use 'shm' or "
                          "'nccl'")
     return chosen
+
+
+def nccl_unfit(processes: int) -> str:
+    """Why NCCL cannot serve ``processes`` processes on this node ('' when it can): CuPy missing, NCCL not
+    loadable by CuPy, or fewer visible devices than processes (NCCL refuses two ranks on one GPU)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError:
+        return "CuPy is not installed"
+    if not getattr(nccl, "available", True):
+        return "CuPy cannot load NCCL (cupy.cuda.nccl.available is False)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"no usable CUDA device ({exc})"
+    if count < processes:
+        return (f"{processes} processes but {count} visible CUDA device{'s' if count != 1 else ''}: NCCL needs one "
+                "device per process, so the processes share the GPUs through host memory")
+    return ""
 
 
 def _launched_backend(launch: Launch, backend: str | None) -> str:

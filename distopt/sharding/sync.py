@@ -37,7 +37,7 @@ import numpy as np
 
 from ..comm.base import Communicator, ShardingCommunicator
 from ..comm.lifecycle import Completed
-from ..core._array import xp_of
+from ..core._array import any_not_finite
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
 from ..strategies.base import Strategy
@@ -48,14 +48,6 @@ __all__ = ["BucketSync", "ShardedSync", "StepSync", "PieceUpdate", "ShardedStep"
 
 #: ``vote(bad, where)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
 Vote = Callable[[bool], bool]
-
-
-def _finite(array: Any) -> bool:
-    """Whether every element of ``array`` is finite: one sum (in float32 at least) when it is finite, the
-    elementwise test only when the sum is not (a NaN, an inf, or a finite overflow)."""
-    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
-        return True
-    return bool(xp_of(array).isfinite(array).all())
 
 
 def _own(segment: Any) -> Any:
@@ -119,8 +111,7 @@ class StepSync:
 
     def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:
         """This rank's vote: whether some reduced gradient it holds is not finite."""
-        return any(not bool(xp_of(g).isfinite(g).all()) for g, ok in zip(grads, present)
-                   if ok and g is not None and is_float(g))
+        return any_not_finite(g for g, ok in zip(grads, present) if ok and g is not None and is_float(g))
 
     def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
         """The vote's result: True skips the step."""
@@ -231,7 +222,7 @@ class ShardedStep(PieceUpdate):
 
     def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:  # noqa: ARG002
         """This rank's vote: whether some element of its segments is not finite."""
-        return any(not _finite(seg) for seg in self.segments.values() if seg.size)
+        return any_not_finite(self.segments.values())
 
     def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
         """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad

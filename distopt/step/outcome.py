@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..comm.base import Communicator
-from ..core._array import xp_of
+from ..core._array import any_not_finite
 from ..core.buckets import is_float
 from ..core.counters import Counters
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -67,7 +67,7 @@ def all_zero(array: Any) -> bool:
 
 def not_finite(grads: Sequence[Any]) -> bool:
     """Whether some float gradient of ``grads`` (None entries skipped) holds a NaN or an inf."""
-    return any(not bool(xp_of(g).isfinite(g).all()) for g in grads if g is not None and is_float(g))
+    return any_not_finite(g for g in grads if g is not None and is_float(g))
 
 
 class Agreement:

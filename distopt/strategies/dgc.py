@@ -152,10 +152,7 @@ class DGC(GradientStrategy):
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
         key = (ctx.key, ctx.index)
         if self.clip_norm is not None:
-            bound = self.clip_norm / math.sqrt(ctx.comm.size)
-            norm = float(xp_of(flat).linalg.norm(flat.astype(np.float64)))
-            if norm > bound:  # float64 norm: a float16 or float32 sum of squares can overflow
-                flat *= flat.dtype.type(bound / norm)
+            _clip(flat, self.clip_norm / math.sqrt(ctx.comm.size))
         u = self.velocity.get(key, flat)
         v = self.accumulated.get(key, flat)
         _correct(u, v, flat, u.dtype.type(self.momentum))      # u = m u + g, v += u
@@ -195,6 +192,24 @@ def _select(ctx: BucketContext, v: Any, density: float) -> Any:
     return parts[0] if len(parts) == 1 else xp_of(v).concatenate(parts)
 
 
+def _clip(flat: Any, bound: float) -> None:
+    """Scale ``flat`` in place to the L2 norm ``bound`` if its norm is above it (a NaN norm: unchanged).
+
+    The norm is taken in float64 (a float16 or float32 sum of squares can
+    overflow). On CuPy the comparison and the scale stay on the device (no
+    host synchronisation); the scale is the same float64 quotient, rounded to
+    ``flat``'s dtype, so both give the same bits (a factor of exactly 1 where
+    NumPy skips the product).
+    """
+    mod = xp_of(flat)
+    norm = mod.linalg.norm(flat.astype(np.float64))
+    if mod is np:
+        if norm > bound:
+            flat *= flat.dtype.type(bound / norm)
+        return
+    flat *= mod.where(norm > bound, bound / norm, 1.0).astype(flat.dtype)
+
+
 def _correct(u: Any, v: Any, g: Any, momentum: Any) -> None:
     """Momentum correction in place: ``u = momentum * u + g``, then ``v += u`` (1-D arrays of one length).
 
@@ -231,10 +246,10 @@ def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any, divisor: Any
         comm.all_reduce(flat, op="sum")
         flat /= divisor
         return int(flat.nbytes)
-    all_idx = comm.all_gather(idx).reshape(-1)
-    all_val = comm.all_gather(values).reshape(-1)
+    all_idx = comm.all_gather(idx)  # one row per rank: densify adds them in rank order (on CuPy without atomics)
+    all_val = comm.all_gather(values)
     densify(all_idx, all_val, n, flat.dtype, out=flat)
-    flat[all_idx] /= divisor  # a repeated position is divided once (the fancy-index assignment is not cumulative)
+    flat[all_idx.reshape(-1)] /= divisor  # a repeated position is divided once (the fancy-index assignment is not cumulative)
     return int(idx.nbytes + values.nbytes)
 
 

@@ -118,16 +118,18 @@ class Stack:
 
 
 def project(matrix: Any, vectors: Any, out: Any) -> Any:
-    """``out = matrix @ vectors``, one column of ``vectors`` at a time on NumPy (see the module docs; CuPy:
-    one matrix product), and return ``out``.
+    """``out = matrix @ vectors``, one column of ``vectors`` at a time (see the module docs), and return
+    ``out``. CuPy takes the same column products (``r`` small kernels instead of one), so its twin adds in
+    the same order as NumPy's.
 
     Args:
         matrix: 2-D array ``(a, b)`` (a transposed view for ``M^T``).
         vectors: ``(b, r)``.
         out: ``(a, r)``, the same dtype.
     """
-    if is_cupy(matrix):  # cuBLAS: one matrix product, the column split only pays with OpenBLAS
-        out[...] = matrix @ vectors
+    if is_cupy(matrix):
+        for j in range(vectors.shape[1]):
+            out[:, j] = matrix @ vectors[:, j]
         return out
     for j in range(vectors.shape[1]):
         np.matmul(matrix, vectors[:, j], out=out[:, j])

@@ -93,14 +93,14 @@ def average_sparse(comm: Communicator, flat: Any, *, density: float, select: str
         flat[idx] = values
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)
-    if top_k:
-        all_idx = comm.all_gather(idx).reshape(-1)
-        all_val = comm.all_gather(values).reshape(-1)
+    if top_k:  # one row per rank: densify adds them in rank order (on CuPy without atomics)
+        all_idx = comm.all_gather(idx)
+        all_val = comm.all_gather(values)
     else:
         all_idx = comm.all_gather_v(idx)
         all_val = comm.all_gather_v(values)
     densify(all_idx, all_val, n, flat.dtype, out=flat)
-    touched = xp_of(flat).concatenate(all_idx) if isinstance(all_idx, list) else all_idx
+    touched = xp_of(flat).concatenate(all_idx) if isinstance(all_idx, list) else all_idx.reshape(-1)
     flat[touched] /= comm.size  # only the gathered positions are nonzero: divide k*W values, not n
     return sent_bytes + int(idx.nbytes + values.nbytes)
 

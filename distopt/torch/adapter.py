@@ -57,11 +57,16 @@ def as_array(tensor: Any) -> Any:
                         "contiguous parameters and gradients")
     tensor = tensor.detach()
     if str(tensor.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: view the bits as ml_dtypes' type
-        if tensor.is_cuda:
-            raise TypeError("bfloat16 CUDA tensors cannot be viewed as CuPy arrays (CuPy has no bfloat16): keep "
-                            "CUDA parameters in float32 or float16, or use torch.autocast(dtype=torch.bfloat16)")
         import torch
 
+        if tensor.is_cuda:
+            import cupy
+
+            if int(cupy.__version__.split(".")[0]) < 14:
+                raise TypeError(f"bfloat16 CUDA tensors are viewed as CuPy arrays from CuPy 14 on (this is CuPy "
+                                f"{cupy.__version__}): upgrade CuPy, keep CUDA parameters in float32 or float16, "
+                                "or use torch.autocast(dtype=torch.bfloat16)")
+            return cupy.from_dlpack(tensor.view(torch.int16)).view(_bfloat16())
         return tensor.view(torch.int16).numpy().view(_bfloat16())
     if tensor.is_cuda:
         import cupy

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 
-from tests.support.gpu import require_device  # noqa: E402
+from tests.support.gpu import load_cupy, require_device  # noqa: E402
+
+cupy = load_cupy()
 
 
 @pytest.fixture(scope="module", params=["mpi", "shm"])

@@ -341,15 +341,11 @@ def test_half_scales():
 
 @pytest.fixture
 def cp():
-    """CuPy, or skip when it is not installed or sees no GPU."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - any CUDA runtime failure means no usable device
-        pytest.skip(f"cupy has no usable device: {e}")
-    if count == 0:
-        pytest.skip("cupy sees no GPU")
-    return cupy
+    """CuPy with one device: the real one where installed (skips without a device), else the stand-in."""
+    from tests.support.gpu import devices
+
+    with devices(1) as cupy:
+        yield cupy
 
 
 @pytest.mark.gpu
@@ -381,6 +377,28 @@ def test_gpu_topk_sampled_path_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
+def test_f12_topk_syncs_the_host_at_most_once(cp):
+    """F12: top-k on the device keeps the threshold, the tie count and the sample positions there: no
+    host synchronisation on the exact route, one (the candidates' count) on the sampled route; densify
+    none."""
+    from tests.support.gpu import is_standin
+
+    if not is_standin(cp):
+        pytest.skip("counts the stand-in's host synchronisations")
+    rng = np.random.default_rng(11)
+    small, large = (cp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (5000, 100_000))
+    counters = cp._state.counters
+    for x, k, most in ((small, 50, 0), (large, 100, 1), (large, 100, 1)):
+        before = counters.host_syncs
+        topk_indices(x, k)
+        assert counters.host_syncs - before <= most, counters.sync_sites[-3:]
+    idx = cp.asarray(np.array([[1, 5], [5, 7]], np.int32))
+    before = counters.host_syncs
+    densify(idx, cp.ones((2, 2), dtype=cp.float32), 10)
+    assert counters.host_syncs == before
+
+
+@pytest.mark.gpu
 def test_gpu_threshold_matches_numpy(cp):
     x = np.random.default_rng(8).standard_normal(10_000).astype(np.float32)
     for thr in (0.0, 1.0, 100.0):
@@ -391,13 +409,29 @@ def test_gpu_threshold_matches_numpy(cp):
 
 @pytest.mark.gpu
 def test_gpu_densify_matches_numpy(cp):
+    """A single array with repeated positions: the device adds them in the order given, as NumPy does."""
     rng = np.random.default_rng(9)
     idx = rng.integers(0, 100, 1000).astype(np.int32)
-    val = rng.standard_normal(1000).astype(np.float32)
+    val = (rng.standard_normal(1000) * 10.0 ** rng.integers(-4, 5, 1000)).astype(np.float32)
     got = densify(cp.asarray(idx), cp.asarray(val), 100)
     assert got.dtype == np.float32
-    # float32 sums of ~10 values each; CuPy's atomic adds take another order: last-bit differences
-    np.testing.assert_allclose(cp.asnumpy(got), densify(idx, val, 100), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cp.asnumpy(got), densify(idx, val, 100))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_f5_densify_of_gathered_pairs_is_deterministic_and_equals_numpy(cp, ranks):
+    """F5: the pairs gathered from every rank (each rank's positions distinct, many shared across ranks,
+    values of mixed magnitude) sum to the NumPy twin's bits on every call: replicas cannot drift apart
+    (an atomic scatter-add, whose order is unspecified, would)."""
+    rng = np.random.default_rng(ranks)
+    idx = np.stack([np.sort(rng.choice(64, 40, replace=False)) for _ in range(ranks)]).astype(np.int32)
+    val = (rng.standard_normal((ranks, 40)) * 10.0 ** rng.integers(-6, 7, (ranks, 40))).astype(np.float32)
+    expect = densify(idx, val, 64)
+    for _ in range(20):
+        np.testing.assert_array_equal(cp.asnumpy(densify(cp.asarray(idx), cp.asarray(val), 64)), expect)
+        parts = densify([cp.asarray(i) for i in idx], [cp.asarray(v) for v in val], 64)
+        np.testing.assert_array_equal(cp.asnumpy(parts), expect)
 
 
 @pytest.mark.gpu
@@ -407,7 +441,22 @@ def test_gpu_cast(cp):
     assert w.dtype == np.float16
     np.testing.assert_array_equal(cp.asnumpy(w), to_wire(x, "float16", 0.25))
     np.testing.assert_array_equal(cp.asnumpy(from_wire(w, np.float32, 4.0)), from_wire(to_wire(x, "float16", 0.25), np.float32, 4.0))
-    with pytest.raises(TypeError, match="bfloat16"):
+
+
+@pytest.mark.gpu
+def test_f7_bfloat16_wire_on_cupy_14(cp, monkeypatch):
+    """F7: CuPy 14 holds ml_dtypes' bfloat16, so the bfloat16 wire works on the device (the NumPy twin's
+    bits); CuPy 13 gets a clear error naming the version."""
+    pytest.importorskip("ml_dtypes")
+    x = np.random.default_rng(12).standard_normal(1000).astype(np.float32)
+    if int(cp.__version__.split(".")[0]) >= 14:
+        w = to_wire(cp.asarray(x), "bfloat16", 0.5)
+        assert w.dtype.name == "bfloat16"
+        np.testing.assert_array_equal(cp.asnumpy(w).view(np.uint16), to_wire(x, "bfloat16", 0.5).view(np.uint16))
+        np.testing.assert_array_equal(cp.asnumpy(from_wire(w, np.float32, 2.0)),
+                                      from_wire(to_wire(x, "bfloat16", 0.5), np.float32, 2.0))
+    monkeypatch.setattr(cp, "__version__", "13.6.0")
+    with pytest.raises(TypeError, match="CuPy 14 or later.*13.6.0"):
         to_wire(cp.asarray(x), "bfloat16", 1.0)
 
 

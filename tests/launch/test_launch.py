@@ -44,7 +44,6 @@ def test_nccl_id_holder_pickles():
     holder = NcclIdHolder()
     copy = pickle.loads(pickle.dumps(holder))
     assert copy.job_id == holder.job_id and re.fullmatch(r"[0-9a-f]{32}", holder.job_id)
-    assert copy.nccl_id == holder.nccl_id
     assert NcclIdHolder().job_id != holder.job_id
     assert holder.job_id in repr(holder)
 

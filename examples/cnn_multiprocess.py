@@ -6,7 +6,8 @@ processes with :func:`distopt.launch.spawn`; each calls
 ``train_mnist_cnn(nccl_id, gpu_num, gpu_per_node)`` and builds
 ``DistOpt(sgd, nccl_id=nccl_id, gpu_num=gpu_num, gpu_per_node=gpu_per_node)``.
 On CPUs the processes all-reduce through shared memory; on GPUs with CuPy
-and NCCL, through NCCL. Run::
+and NCCL, through NCCL when there is a GPU per process, else through
+shared memory with the GPUs shared. Run::
 
     python examples/cnn_multiprocess.py 2                 # 2 processes, 1 epoch
     python examples/cnn_multiprocess.py 2 --epochs 10
@@ -27,11 +28,12 @@ from distopt.launch import spawn
 
 
 def train_mnist_cnn(nccl_id: Any, gpu_num: int, gpu_per_node: int, args: argparse.Namespace) -> None:
-    """One worker: rank ``gpu_num`` of ``gpu_per_node`` on this node (GPU ``gpu_num`` when the ticket
-    carries an NCCL id and PyTorch sees CUDA, else the CPU)."""
+    """One worker: rank ``gpu_num`` of ``gpu_per_node`` on this node, on GPU ``gpu_num`` where PyTorch sees
+    CUDA (with fewer GPUs than processes, the processes share them and DistOpt averages over shared memory
+    instead of NCCL), else on the CPU."""
     import torch
 
-    device = f"cuda:{gpu_num}" if nccl_id.nccl_id is not None and torch.cuda.is_available() else "cpu"
+    device = f"cuda:{gpu_num % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     train(args, make_opt=lambda sgd, **kw: distopt.DistOpt(sgd, nccl_id=nccl_id, gpu_num=gpu_num,
                                                            gpu_per_node=gpu_per_node, **kw), device=device)
 

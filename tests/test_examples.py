@@ -143,15 +143,22 @@ def test_cnn_mpi_dgc_and_powersgd(name):
 
 @needs_data
 @pytest.mark.job
-def test_cnn_multiprocess_smoke():
-    """SINGA's multiprocess launch mode: 2 spawned processes over the shared-memory backend."""
+@pytest.mark.parametrize("machine", ["cpu", "f2-one-gpu"])
+def test_cnn_multiprocess_smoke(machine):
+    """SINGA's multiprocess launch mode: 2 spawned processes over the shared-memory backend; on a machine
+    with one GPU (the CuPy stand-in's: F2) too, the two processes sharing it, where NCCL would refuse."""
     pytest.importorskip("torch")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if machine != "cpu":
+        from tests.support.gpu import standin_env
+
+        env = standin_env(devices=1)
     res = subprocess.run([sys.executable, "examples/cnn_multiprocess.py", "2", *SMOKE, "--threads", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert "backend shm, world size 2" in out
+    assert ("2 processes but 1 visible CUDA device" in out) == (machine != "cpu"), out[-3000:]
     prefixed = "\n".join(f"[0] {line}" for line in res.stdout.splitlines() if not line.startswith("[rank"))
     _check_report(prefixed, min_acc=0.3)
 

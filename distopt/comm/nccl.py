@@ -94,7 +94,8 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         unique_id: an NCCL unique id (see :func:`new_unique_id`) that no other
             communicator used, or None to have rank 0 of ``control`` make one
             and broadcast it (:func:`unique_id_from`).
-        device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``).
+        device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``); made
+            the current device of the constructing thread, and current in every call.
         control: a host communicator of the same ranks (MPI or shared
             memory) for collectives on NumPy arrays (DistOpt's step header
             and flags): they then never wait on the device, so a
@@ -135,6 +136,7 @@ class NcclCommunicator(NcclShards, CommunicatorState):
             self.host_syncs = 0  # host waits on the device (see the class docs)
             self.timeout = resolve_timeout(timeout)
             self.device = cupy.cuda.Device(device)
+            self.device.use()  # this thread's arrays land on the rank's GPU, as with SINGA's DistOpt
             with self.device:
                 if unique_id is None:
                     unique_id = unique_id_from(control)
@@ -156,15 +158,21 @@ class NcclCommunicator(NcclShards, CommunicatorState):
 
         Raises:
             BackendUnavailableError: MPI is needed but cannot be imported.
-            ValueError: as the control plane's ``from_launch``, or more local ranks than visible devices
-                (on every rank, naming the count).
+            ValueError: as the control plane's ``from_launch``, or more processes on the node than
+                visible devices (on every rank, naming the count).
         """
         from . import backend_class
 
+        count = cupy.cuda.runtime.getDeviceCount()
+        if launch.holder is not None and count < int(launch.gpu_per_node):  # the spawned processes see the
+            # same devices: every rank fails alike, before any rendezvous
+            raise ValueError(f"backend='nccl' with {launch.gpu_per_node} processes but {count} visible CUDA "
+                             f"device{'s' if count != 1 else ''}: NCCL needs a device per process ('Duplicate GPU "
+                             f"detected'); leave backend unset to share the GPUs over shared memory, or start at "
+                             f"most {count} processes")
         control, info = backend_class("shm" if launch.holder is not None else "mpi").from_launch(launch)
         try:
-            device = device_index(info.local_rank, launch.env, device_count=cupy.cuda.runtime.getDeviceCount(),
-                                  local_size=info.local_size)
+            device = device_index(info.local_rank, launch.env, device_count=count, local_size=info.local_size)
         except BaseException:
             control.close()
             raise

@@ -78,16 +78,17 @@ class ShardedClip:
         # written by its rank only, so the float64 sum is exact
         table = np.zeros((len(tensors), 2), dtype=np.float64)
         whole = [(q.index, g) for q, g in zip(plan.pieces, grads) if g is not None and q.index not in split]
-        for (index, _), norm in zip(whole, torch._foreach_norm([g for _, g in whole], p) if whole else ()):
-            table[index, 0] = float(norm)
+        if whole:  # one device-to-host copy for all the norms (CUDA: one synchronisation, not one per tensor)
+            norms = torch._foreach_norm([g for _, g in whole], p)
+            table[[index for index, _ in whole], 0] = torch.stack([n.double() for n in norms]).cpu().numpy()
         for q, g in zip(plan.pieces, grads):
             table[q.index, 1] += g is not None
         self.comm.all_reduce(table, op="sum")
         present = table[:, 1] > 0
-        # the straddling pieces' values, float64 on the wire (exact for every float dtype)
-        values = [g.detach().reshape(-1).cpu().double() for q, g in zip(plan.pieces, grads)
+        # the straddling pieces' values, float64 on the wire (exact for every float dtype), in one copy
+        values = [g.detach().reshape(-1).double() for q, g in zip(plan.pieces, grads)
                   if g is not None and q.index in split]
-        sent = torch.cat(values).numpy() if values else np.zeros(0, np.float64)
+        sent = torch.cat(values).cpu().numpy() if values else np.zeros(0, np.float64)
         full: dict[int, Any] = {}
         for rows, data in zip(straddling, self.comm.all_gather_v(np.ascontiguousarray(sent))):
             at = 0
@@ -99,8 +100,9 @@ class ShardedClip:
                     full[index] = torch.empty(numels[index], dtype=t.dtype, device=t.device)
                 full[index][start:stop] = torch.from_numpy(data[at:at + stop - start]).to(t.device, t.dtype)
                 at += stop - start
-        norms = {i: torch.tensor(table[i, 0], dtype=tensors[i].dtype, device=tensors[i].device)
-                 for i in range(len(tensors)) if present[i] and i not in split}
+        kept = [i for i in range(len(tensors)) if present[i] and i not in split]
+        column = torch.from_numpy(table[kept, 0]).to(tensors[kept[0]].device) if kept else None  # one copy
+        norms = {i: column[j].to(tensors[i].dtype) for j, i in enumerate(kept)}
         if full:
             norms.update(zip(full, torch._foreach_norm(list(full.values()), p)))
         order = {id(t): i for i, t in enumerate(tensors)}

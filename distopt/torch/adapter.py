@@ -8,14 +8,16 @@ copies. The averaged gradient is written back into ``param.grad`` and
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
-__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes"]
+__all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes",
+           "torch_stream"]
 
 
 def is_torch_optimizer(opt: Any) -> bool:
@@ -73,6 +75,25 @@ def as_array(tensor: Any) -> Any:
 
         return cupy.from_dlpack(tensor)
     return tensor.numpy()
+
+
+def torch_stream(tensor: Any) -> ContextManager[Any]:
+    """Inside, CuPy's current stream is torch's current stream of ``tensor``'s CUDA device.
+
+    CuPy queues its kernels (bucket copies, casts, compression) and orders
+    NCCL against its OWN current stream, the legacy default stream unless set;
+    under ``with torch.cuda.stream(s):`` (a non-blocking stream) the update
+    could then read gradients before their all-reduce is done. Sharing the
+    stream (``cupy.cuda.ExternalStream``, as CuPy's interoperability guide
+    advises) orders distopt's work with the training script's. A no-op for
+    CPU tensors and None.
+    """
+    if tensor is None or not getattr(tensor, "is_cuda", False):
+        return contextlib.nullcontext()
+    import cupy
+    import torch
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, tensor.device.index)
 
 
 def as_tensor(array: Any) -> Any:

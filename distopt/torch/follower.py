@@ -72,7 +72,7 @@ from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
 from ..step.strategy_set import slots
 from ..strategies.base import Strategy
-from .adapter import TorchOptimizer, as_array
+from .adapter import TorchOptimizer, as_array, torch_stream
 from .bucket_views import BucketViews
 from .closure import averaged_closure
 from .model_no_sync import attach_no_sync
@@ -181,7 +181,8 @@ class Follower:
             if index is not None:
                 if self.views is not None:
                     self.views.adopt(param, index)
-                pipeline.ready(index, as_array(param.grad))
+                with torch_stream(param):
+                    pipeline.ready(index, as_array(param.grad))
 
     def _place(self, task: int) -> bool:
         """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a
@@ -295,6 +296,10 @@ class Follower:
             shadow: a joined rank's shadow step: it contributes zeros (its
                 own ``.grad`` is ignored) and receives the others' average.
         """
+        with torch_stream(next(iter(self.local.params()), None)):  # CUDA: on torch's current stream
+            return self._reduce(shadow)
+
+    def _reduce(self, shadow: bool) -> Outcome:
         pipeline, self.record.pipeline = self.record.pipeline, None
         if pipeline is None:
             pipeline = self._begin(shadow)
@@ -331,7 +336,8 @@ class Follower:
         applied = self.record.phase is not Phase.SKIPPED
         self.sink.after_step(applied)
         params = self.local.arrays() if slots(strategy).averager.averages else []
-        self.runner.finish_step(strategy, params, self.record.threshold, applied)
+        with torch_stream(next(iter(self.local.params()), None)):
+            self.runner.finish_step(strategy, params, self.record.threshold, applied)
         self.record.clear()
         self.local.hook(self.local.params(), self.on_grad)
 

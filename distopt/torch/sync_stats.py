@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..comm.base import Communicator
@@ -81,6 +82,12 @@ def _all_reduce(comm: Communicator, packed: torch.Tensor, what: str) -> torch.Te
     return buf.to(packed.device)
 
 
+def _count_on_host(x: torch.Tensor, comm: Communicator) -> bool:
+    """Whether the count travels apart from the sums, on the host: the sums stay on a GPU (the NCCL
+    backend, or the torch backend with a CUDA input, which torch sends over NCCL)."""
+    return comm.name == "nccl" or (comm.name == "torch" and x.is_cuda)
+
+
 def _shape(x: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
     """The reduction dims of ``x`` (all but the channel dim 1) and the shape that broadcasts a channel vector."""
     return [0] + list(range(2, x.dim())), (1, x.shape[1]) + (1,) * (x.dim() - 2)
@@ -147,21 +154,30 @@ def global_stats(channels: int, x: torch.Tensor, comm: Communicator,
     channels in dim 1), in ONE all-reduce.
 
     A rank whose input is unusable still joins the all-reduce with a NaN count, so every rank raises.
+    Where the sums stay on a GPU (NCCL, or torch's NCCL for CUDA inputs) the count travels first in a
+    small host all-reduce of its own, so that no layer waits for the device to read it back; every rank
+    then raises, if one must, before the sums move.
     """
     problem = input_problem(channels, x)
+    local = float("nan") if problem is not None else float(x.numel() // channels) if channels else 0.0
+    on_host = _count_on_host(x, comm)
     device = x.device if problem is None else torch.device("cpu")
-    packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    packed = torch.zeros(2 * channels + (0 if on_host else 1), dtype=torch.float64, device=device)
+    if on_host:  # the count travels on the host: no device-to-host copy per layer
+        counts = np.array([local])
+        comm.all_reduce(counts, op="sum")
+        count = float(counts[0])
+    else:
+        packed[-1] = local
     if problem is None:
         dims, _ = _shape(x)
         with torch.no_grad():
             x64 = x.detach().to(torch.float64)
             packed[:channels] = x64.sum(dims)
             packed[channels:2 * channels] = (x64 * x64).sum(dims)
-            packed[-1] = float(x.numel() // channels) if channels else 0.0
-    else:
-        packed[-1] = float("nan")
-    total = _all_reduce(comm, packed, f"{what} forward")
-    count = float(total[-1])
+    if not on_host:
+        total = _all_reduce(comm, packed, f"{what} forward")
+        count = float(total[-1])
     if problem is not None:
         raise ValueError(f"{what} on rank {comm.rank} {problem}")
     if count != count:  # NaN: another rank's input was unusable
@@ -170,6 +186,8 @@ def global_stats(channels: int, x: torch.Tensor, comm: Communicator,
     if count <= 1:
         raise ValueError(f"{what}: expected more than 1 value per channel over all ranks when "
                          f"training, got {int(count)} (input shape on rank {comm.rank}: {tuple(x.shape)})")
+    if on_host:  # every rank's input is usable (else all raised above, before the data moved)
+        total = _all_reduce(comm, packed, f"{what} forward")
     mean = total[:channels] / count
     var = (total[channels:2 * channels] / count - mean * mean).clamp_(min=0.0)
     return mean, var, count

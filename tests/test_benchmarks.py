@@ -290,3 +290,25 @@ def test_elastic_benchmark_smoke(tmp_path):
     assert 0 < rec["detect_s"] < rec["kill_to_step_s"] and 0 < rec["recovery_s"] <= rec["kill_to_step_s"], rec
     assert rec["commit_bytes"] > 0 and rec["commit_ms"] > 0 and rec["worker_start_s"] > 0, rec
     assert rec["step_ms_world3"] > 0 and rec["step_ms_world2"] > 0, rec
+
+
+@pytest.mark.job
+def test_gpu_check_runs_end_to_end_on_the_standin(tmp_path):
+    """``benchmarks/gpu_check.py --standin``: every part runs, the GPU tests pass on the stand-in, and every
+    strategy on CuPy gives its NumPy twin's bits at world size 1 over NCCL and in two processes sharing one
+    device over shared memory. (Not marked ``gpu``: the check runs ``pytest -m gpu`` itself.)"""
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--standin", "--out", str(out)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["standin"] and data["versions"]["standin"] and data["versions"]["nccl_available"]
+    assert data["tests"]["counts"]["passed"] > 50 and "failed" not in data["tests"]["counts"]
+    for part, backend in (("nccl_w1", "nccl"), ("shared", "shm")):
+        strategies = data[part]["strategies"]
+        assert {"dense", "half-fp16", "sparse-topk", "sparse-threshold", "dgc", "powersgd", "partial"} <= set(strategies)
+        for key, s in strategies.items():
+            assert s["bitwise"] and s["backend"] == backend, (part, key, s)
+    assert data["nccl_w1"]["strategies"]["dense"]["host_syncs_per_step"] == 0
+    assert data["timing"]["numpy_ms"] > 0 and data["timing"]["cupy_nccl_ms"] > 0

@@ -330,20 +330,23 @@ def test_mpi_block(block: Block, mpi_results: dict):
         pytest.fail(f"{block.id} failed under mpiexec -n 2:\n{report}")
 
 
-def _have_gpu() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
-        return False
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", _blocks("gpu"), ids=lambda b: b.id)
 @pytest.mark.unit
 def test_gpu_block(block: Block, tmp_path: Path):
-    if not _have_gpu():
-        pytest.skip("needs CuPy and a CUDA device")
+    """On a GPU machine, or on the CuPy stand-in (two devices) where CuPy is not installed; blocks of CUDA
+    tensors need a real device."""
+    from tests.support.gpu import is_standin, require_device, standin_env
+
+    extra: dict[str, str] = {}
+    if is_standin():
+        if "import torch" in block.code:
+            pytest.skip("CUDA tensors need a real device")
+        env = standin_env(devices=2)
+        extra = {key: env[key] for key in ("CUPY_STANDIN_DEVICES",)}
+        extra["PYTHONPATH"] = env["PYTHONPATH"]
+    else:
+        require_device()
     if "import torch" in block.code:
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
@@ -351,10 +354,11 @@ def test_gpu_block(block: Block, tmp_path: Path):
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     if "spawn(" in block.code:  # the multiprocessing mode: the block starts its own workers
-        res = _python([str(script)], tmp_path, timeout=180)
+        res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(**extra), capture_output=True,
+                             text=True, timeout=180)
         assert res.returncode == 0, f"{block.id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     else:  # one GPU per rank; a machine with one GPU runs the block as a job of one rank
-        res = run_job([sys.executable, str(script)], n=1, timeout=180)
+        res = run_job([sys.executable, str(script)], n=1, timeout=180, env=extra)
         assert res.returncode == 0, f"{block.id} failed under mpiexec -n 1:\n{res.stdout[-6000:]}"
 
 
@@ -633,6 +637,32 @@ def check_train_runs(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
         assert f"]({png.relative_to('docs')})" in page, f"the page does not show {png}"
 
 
+def check_gpu_install(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
+    """The CUDA extras named are the project's (each CuPy with the NCCL wheel of its CUDA version)."""
+    extras = _extras()
+    named = {e.strip() for group in re.findall(r'\.\[([\w,\s-]+)\]', block.code) for e in group.split(",")}
+    assert "cuda12" in named and named <= set(extras), named
+    for cuda in ("cuda12", "cuda13"):
+        assert any(r.startswith("cupy-") for r in extras[cuda]) and any("nccl" in r for r in extras[cuda])
+
+
+def check_gpu_check(block: Block, tmp_path: Path) -> None:  # noqa: ARG001
+    """The GPU check's commands parse with its own parser (its run: tests/test_benchmarks.py)."""
+    for argv in _script_args(block, "benchmarks/gpu_check.py"):
+        _, error = _parses(_script_module("gpu_check").parse_args, argv)
+        assert error is None, error
+
+
+def check_gpu_tests(block: Block, tmp_path: Path) -> None:
+    """``pytest -m gpu`` with the suite's ``--cupy`` choices, and the GPU check's flags."""
+    tests = [argv for argv in _commands(block) if argv[1:3] == ["-m", "pytest"]]
+    assert tests and all(argv[3:5] == ["-m", "gpu"] for argv in tests)
+    for argv in tests:
+        if "--cupy" in argv:
+            assert argv[argv.index("--cupy") + 1] in ("auto", "real", "standin")
+    check_gpu_check(block, tmp_path)
+
+
 def check_docs_build(block: Block, tmp_path: Path, site=None) -> None:
     """The packages named are what the build needs; ``mkdocs build --strict`` passes (the ``site`` fixture)."""
     install, build, test = _commands(block)
@@ -682,6 +712,9 @@ CHECKS = {
     "strategy-runs": check_strategy_runs,
     "train-runs": check_train_runs,
     "docs-build": check_docs_build,
+    "gpu-install": check_gpu_install,
+    "gpu-check": check_gpu_check,
+    "gpu-tests": check_gpu_tests,
 }
 #: ``file=`` blocks that a command check reads.
 FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py", "elastic_mlp.py"}

@@ -211,6 +211,7 @@ class NcclCommunicator(NcclShards, CommunicatorState):
 
         wait_until(lambda: done.done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF, check=check,
                    check_every_s=0.0)
+        check()  # an error NCCL reported although the stream went on
 
     def _abort(self, reason: str) -> None:
         if self._comm is not None:

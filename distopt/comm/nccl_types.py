@@ -29,7 +29,7 @@ if not getattr(nccl, "available", True):
                       "NCCL wheel of CuPy's CUDA version (nvidia-nccl-cu12 for cupy-cuda12x, nvidia-nccl-cu13 "
                       "for cupy-cuda13x)")
 
-__all__ = ["NCCL_TYPES", "nccl", "nccl_dtype", "nccl_op", "bfloat16_supported"]
+__all__ = ["NCCL_TYPES", "nccl_dtype", "nccl_op", "bfloat16_supported"]
 
 
 def bfloat16_supported() -> bool:

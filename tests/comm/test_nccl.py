@@ -153,6 +153,89 @@ def test_sharded_collectives_at_world_size_1(comm):
         check(comm)
 
 
+def test_host_arrays_without_a_control_plane_are_staged_through_the_device(gpu):  # noqa: ARG001
+    """Without a host control plane, NumPy arrays travel through the device, one bounded host wait each."""
+    from distopt.comm.nccl import NcclCommunicator, new_unique_id
+
+    c = NcclCommunicator(0, 1, new_unique_id(), 0)
+    host = np.arange(6, dtype=np.float32)
+    assert c.broadcast(host) is host
+    np.testing.assert_array_equal(c.all_gather(host), host[None])
+    np.testing.assert_array_equal(c.all_gather_v(host)[0], host)
+    np.testing.assert_array_equal(c.all_gather_into(host.copy()), host)
+    assert c.host_syncs >= 4
+    c.close()
+    with pytest.raises(Exception, match="closed"):
+        c.all_reduce(cupy.ones(1, dtype=cupy.float32))
+
+
+def test_bad_arguments_are_clear_and_close_the_control_plane(gpu):  # noqa: ARG001
+    from distopt.comm.nccl import NcclCommunicator
+    from distopt.comm.nccl_types import nccl_dtype
+    from tests.support.simworld import second_world
+
+    with pytest.raises(ValueError, match="unique_id or a control"):
+        NcclCommunicator(0, 1)
+    control = second_world(2)(1)
+    with pytest.raises(ValueError, match="control communicator is rank 1 of 2"):
+        NcclCommunicator(0, 1, control=control)
+    assert control.closed
+    with pytest.raises(TypeError, match="takes CuPy arrays"):
+        nccl_dtype(np.zeros(2))
+    with pytest.raises(TypeError, match="complex64 is not supported by the NCCL backend"):
+        nccl_dtype(cupy.zeros(2, dtype=cupy.complex64))
+
+
+def test_bfloat16_over_nccl_needs_cupy_14(gpu, monkeypatch):  # noqa: ARG001
+    """F7: CuPy 14 carries bfloat16 (NCCL_BFLOAT16), summed as NCCL does it; CuPy 13 has no bfloat16."""
+    from distopt.comm import nccl_types
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if nccl_types.bfloat16_supported():
+        def rank_fn(rank, comm):
+            x = cupy.asarray(np.full(5, rank + 0.5, dtype=ml_dtypes.bfloat16))
+            comm.all_reduce(x, op="avg")
+            return x.get().astype(np.float32)
+
+        with devices(2):
+            for got in run_nccl_world(2, rank_fn):
+                np.testing.assert_array_equal(got, 1.0)
+    monkeypatch.setattr(cupy, "__version__", "13.6.0")
+    assert not nccl_types.bfloat16_supported()
+
+
+@standin_only
+def test_a_peer_gone_is_an_error_on_the_host_wait_naming_nccl(gpu):  # noqa: ARG001
+    """A peer that aborts its communicator: the other rank's next host wait reads NCCL's asynchronous error,
+    aborts its own communicator and raises."""
+    from distopt.errors import DistOptError
+
+    def rank_fn(rank, comm):
+        if rank == 1:
+            comm._abort("test: this rank is gone")
+            return "gone"
+        with pytest.raises(DistOptError, match="NCCL error .*communicator aborted"):
+            comm.barrier()
+        return "raised"
+
+    with devices(2):
+        assert run_nccl_world(2, rank_fn) == ["raised", "gone"]
+
+
+@standin_only
+def test_cupy_without_nccl_module_is_backend_unavailable(gpu, monkeypatch):  # noqa: ARG001
+    """No ``cupy.cuda.nccl`` at all (a CuPy built without it): the backend is unavailable, naming CuPy."""
+    from distopt.comm import backend_class
+    from distopt.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)
+    monkeypatch.delattr(cupy.cuda, "nccl")
+    for name in ("distopt.comm.nccl", "distopt.comm.nccl_types", "distopt.comm.nccl_shards"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(BackendUnavailableError, match="needs CuPy with NCCL"):
+        backend_class("nccl")
+
+
 # -- the review's findings ------------------------------------------------------------------------------
 
 @standin_only

@@ -377,6 +377,16 @@ def test_gpu_topk_sampled_path_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_topk_sampled_path_with_too_few_candidates_takes_the_exact_route(cp):
+    """Mostly NaN: the sample's threshold lets fewer than k numbers through, so the device selects exactly
+    among all of x (NaN last), as NumPy does."""
+    x = np.full(50_001, np.nan, dtype=np.float32)
+    x[::500] = np.arange(101, dtype=np.float32)
+    got = topk_indices(cp.asarray(x), 1000)
+    np.testing.assert_array_equal(cp.asnumpy(got), topk_indices(x, 1000))
+
+
+@pytest.mark.gpu
 def test_f12_topk_syncs_the_host_at_most_once(cp):
     """F12: top-k on the device keeps the threshold, the tie count and the sample positions there: no
     host synchronisation on the exact route, one (the candidates' count) on the sampled route; densify

@@ -96,3 +96,31 @@ def test_f14_dgc_clipping_stays_on_the_device():
         return DGC(sparsity=0.5, momentum=0.9, clip_norm=1.0, warmup_steps=0)
 
     assert _syncs_per_step(40, strategy=dgc()) == _syncs_per_step(4, strategy=dgc())
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_f21_zero_on_cupy_over_nccl_equals_numpy_twin(zero, size):
+    """F21: ZeRO's sharded collectives through NCCL at W > 1, with segments of unequal length (NCCL's
+    padded paths): ``zero=1|2`` on CuPy arrays give the NumPy twin's bits, every rank the same."""
+    def train(on_gpu: bool) -> list[list[np.ndarray]]:
+        def rank_fn(rank, comm):
+            opt = DistOpt(SGD(lr=0.05, momentum=0.9), comm=comm, zero=zero)
+            params = [p.astype(np.float32) for p in params_for(SHAPES)]
+            if on_gpu:
+                params = [cupy.asarray(p) for p in params]
+            opt.sync_params(params)
+            for s in range(3):
+                grads = grads_for(s, rank, SHAPES, np.float32)
+                opt.step(params, [cupy.asarray(g) for g in grads] if on_gpu else grads, threshold=100)
+            return [cupy.asnumpy(p) if on_gpu else p for p in params]
+
+        return run_nccl_world(size, rank_fn, timeout=120) if on_gpu else run_world(size, rank_fn, timeout=120)
+
+    twin = train(False)
+    with devices(size):
+        gpu = train(True)
+    for rank in range(size):
+        for got, expect, first in zip(gpu[rank], twin[rank], gpu[0]):
+            np.testing.assert_array_equal(got, expect)
+            np.testing.assert_array_equal(got, first)

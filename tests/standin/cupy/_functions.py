@@ -173,7 +173,26 @@ class _Namespace:
 linalg = _Namespace(np.linalg, "norm qr svd inv solve cholesky eigh det")
 
 
+class _Generator:
+    """``cupy.random.default_rng(seed)``'s generator: draws made on the host with NumPy's, then copied."""
+
+    def __init__(self, seed: Any = None) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, size: Any = None, dtype: Any = np.float64) -> Any:
+        return array(self._rng.standard_normal(size, dtype=dtype))
+
+    def random(self, size: Any = None, dtype: Any = np.float64) -> Any:
+        return array(self._rng.random(size, dtype=dtype))
+
+    def integers(self, low: int, high: Any = None, size: Any = None, dtype: Any = np.int64) -> Any:
+        return array(self._rng.integers(low, high, size, dtype=dtype))
+
+
 class _Random:
+    def default_rng(self, seed: Any = None) -> _Generator:
+        return _Generator(seed)
+
     def seed(self, seed: Any = None) -> None:
         global _RNG_DATA
         _RNG_DATA = np.random.default_rng(seed)

@@ -282,8 +282,17 @@ else:
         def __init__(self, comm: "NcclCommunicator", calls: list[tuple]) -> None:
             from .memory import owner_of
 
-            self.comm, self.calls, self.started = comm, calls, False
+            self.comm, self.calls, self.started, self.failed = comm, calls, False, False
             self.keep = [owner_of(p) for call in calls for p in call[4:] if p is not None]
+
+        def _stuck(self, block: bool) -> bool:
+            """A failed call's kernel never finishes (until the communicator is aborted): a poll finds it
+            running; a synchronisation on it would wait forever, which the stand-in reports instead."""
+            if block:
+                raise RuntimeError(f"stand-in: a stream synchronisation waits forever on a failed NCCL call "
+                                   f"({self.comm._error}); a real GPU would hang here (poll, check "
+                                   "check_async_error() and abort instead)")
+            return False
 
         def _start(self) -> None:
             from .memory import BadPointer, resolve
@@ -313,7 +322,9 @@ else:
                 self._start()
             sock = self.comm._sock
             if sock is None:
-                return True
+                return True  # aborted: ncclCommAbort ends the communicator's kernels
+            if self.failed:
+                return self._stuck(block)
             try:
                 if not block and not select.select([sock], [], [], 0)[0]:
                     return False
@@ -322,18 +333,18 @@ else:
                 sock.settimeout(None)
             except (OSError, ValueError):  # closed by destroy()/abort() in another thread meanwhile
                 reply = None
-            if reply is None:
-                self.comm._error = self.comm._error or (2, "connection lost")
-                return True
-            if reply[0] == "error":
-                self.comm._error = self.comm._error or (reply[1], reply[2])
-                return True
+            if reply is None or reply[0] == "error":
+                self.comm._error = self.comm._error or ((2, "connection lost") if reply is None else reply[1:])
+                self.failed = True
+                return self._stuck(block)
             try:
                 for (_, _, _, _, recv, _), got in zip(self.calls, reply[1]):
                     if got is not None and recv is not None:
                         resolve(recv, got.nbytes, self.comm._device)[...] = got.reshape(-1).view(np.uint8)
             except BadPointer as exc:
                 self.comm._error = (1, f"illegal memory access: {exc}")
+                self.failed = True
+                return self._stuck(block)
             self.keep = []
             return True
 

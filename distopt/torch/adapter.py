@@ -9,15 +9,18 @@ copies. The averaged gradient is written back into ``param.grad`` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import numpy as np
 
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
 __all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes",
-           "torch_stream"]
+           "torch_stream", "on_torch_stream"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def is_torch_optimizer(opt: Any) -> bool:
@@ -94,6 +97,17 @@ def torch_stream(tensor: Any) -> ContextManager[Any]:
     import torch
 
     return cupy.cuda.ExternalStream(torch.cuda.current_stream(tensor.device).cuda_stream, tensor.device.index)
+
+
+def on_torch_stream(method: F) -> F:
+    """Run a method of an object holding ``local`` (a :class:`TorchOptimizer`) inside :func:`torch_stream`
+    of its first parameter."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch_stream(next(iter(self.local.params()), None)):
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def as_tensor(array: Any) -> Any:

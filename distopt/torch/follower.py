@@ -17,10 +17,9 @@ yet averaged (``no_sync``, ``backward_passes_per_step``) and hand the step
 to the runner (:meth:`~distopt.step.runner.StepRunner.finish_step`: it
 counts the step and runs a parameter averager's after-update).
 
-This is PyTorch's one route: hook -> follower -> runner -> engine ->
-pipeline -> strategy -> comm. DistOpt's own ``backward_and_update`` (and
-SINGA's per-call methods) run ``loss.backward()`` through it too, naming the
-strategy for that backward; ``join()``'s shadow steps as well.
+This is PyTorch's one route (hook -> follower -> runner -> engine -> pipeline
+-> strategy -> comm), ``backward_and_update``, SINGA's methods and
+``join()``'s shadow steps included. On CUDA it runs on torch's current stream.
 
 Rules:
 
@@ -47,18 +46,16 @@ Rules:
   backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
   before it zeroes or drops the gradients, so the next step is right.
 * ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
-* Sparse gradients (``nn.Embedding(sparse=True)``) are left out of the
-  buckets and averaged as sparse after them, in the same reduction
-  (:mod:`distopt.torch.sparse`); ``sparse_as_dense=True`` densifies them.
+* Sparse gradients (``nn.Embedding(sparse=True)``) are averaged as sparse after the buckets, in the
+  same reduction (:mod:`distopt.torch.sparse`); ``sparse_as_dense=True`` densifies them.
 * Activation checkpointing: a reentrant checkpoint runs its block's
   backward as a nested backward (a parameter of a block used twice gets two
   gradient hooks); gradients from a nested backward are not handed to the
   pipeline early but packed when the outer backward ends, so every use is
   summed, and a step still makes one reduction.
 * Several DistOpts over overlapping parameters (a GAN, a second optimizer
-  over a subset): each tensor is averaged by one follower only, the first
-  one built over it, at every backward; the others leave its gradient
-  alone and step it with that average.
+  over a subset): each tensor is averaged by the first follower built over
+  it; the others leave its gradient alone and step it with that average.
 """
 from __future__ import annotations
 
@@ -72,7 +69,7 @@ from ..step.pipeline import BucketPipeline
 from ..step.runner import StepRunner
 from ..step.strategy_set import slots
 from ..strategies.base import Strategy
-from .adapter import TorchOptimizer, as_array, torch_stream
+from .adapter import TorchOptimizer, as_array, on_torch_stream, torch_stream
 from .bucket_views import BucketViews
 from .closure import averaged_closure
 from .model_no_sync import attach_no_sync
@@ -181,7 +178,7 @@ class Follower:
             if index is not None:
                 if self.views is not None:
                     self.views.adopt(param, index)
-                with torch_stream(param):
+                with torch_stream(param):  # CUDA: on torch's current stream
                     pipeline.ready(index, as_array(param.grad))
 
     def _place(self, task: int) -> bool:
@@ -286,6 +283,7 @@ class Follower:
         if stale is not None:
             stale.abandon()
 
+    @on_torch_stream
     def reduce(self, shadow: bool = False) -> Outcome:
         """Average the accumulated ``.grad`` of every trainable parameter now (collective).
 
@@ -296,10 +294,6 @@ class Follower:
             shadow: a joined rank's shadow step: it contributes zeros (its
                 own ``.grad`` is ignored) and receives the others' average.
         """
-        with torch_stream(next(iter(self.local.params()), None)):  # CUDA: on torch's current stream
-            return self._reduce(shadow)
-
-    def _reduce(self, shadow: bool) -> Outcome:
         pipeline, self.record.pipeline = self.record.pipeline, None
         if pipeline is None:
             pipeline = self._begin(shadow)
@@ -331,13 +325,13 @@ class Follower:
         if phase is Phase.ACCUMULATED or (phase is Phase.IDLE and any(t.grad is not None for t in self._owned())):
             self.reduce()
 
+    @on_torch_stream
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG002
         strategy = self._current()
         applied = self.record.phase is not Phase.SKIPPED
         self.sink.after_step(applied)
         params = self.local.arrays() if slots(strategy).averager.averages else []
-        with torch_stream(next(iter(self.local.params()), None)):
-            self.runner.finish_step(strategy, params, self.record.threshold, applied)
+        self.runner.finish_step(strategy, params, self.record.threshold, applied)
         self.record.clear()
         self.local.hook(self.local.params(), self.on_grad)
 

@@ -183,6 +183,8 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
         sampler.set_epoch(epoch)
         model.train()
         totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no host
+        correct = torch.zeros((), dtype=torch.int64, device=device)     # synchronisation per step on a GPU
         batches = tqdm(sampler.batches(), total=steps, desc=f"epoch {epoch}", leave=False,
                        disable=True if rank else None)  # None: only on a terminal
         for step, idx in enumerate(batches):
@@ -193,10 +195,11 @@ def train(args: argparse.Namespace, make_opt: Callable[[torch.optim.Optimizer], 
             loss = F.cross_entropy(out, train_y[b])
             sgd.zero_grad()
             update(opt, loss, args)
-            totals["loss"] += loss.item() * len(idx)
-            totals["correct"] += (out.argmax(1) == train_y[b]).sum().item()
+            loss_sum += loss.detach().double() * len(idx)
+            correct += (out.argmax(1) == train_y[b]).sum()
             totals["count"] += len(idx)
         batches.close()
+        totals.update(loss=float(loss_sum), correct=float(correct))
         if args.dist_option == "partialUpdate":
             opt.average_params()  # replicas drift between chunk averages; evaluate their mean (as SINGA)
         record: dict[str, float] = {"epoch": epoch, **epoch_summary(opt.all_reduce_metrics(totals), "train")}

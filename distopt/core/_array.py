@@ -48,6 +48,8 @@ def any_not_finite(arrays: Iterable[Any]) -> bool:
 
 
 def _host_finite(array: np.ndarray) -> bool:
-    if np.isfinite(float(array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype))):
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN sum is the answer, not a warning
+        total = array.sum(dtype=np.float32 if array.dtype.itemsize < 4 else array.dtype)
+    if np.isfinite(float(total)):
         return True
     return bool(np.isfinite(array).all())

@@ -67,7 +67,7 @@ def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
 def _spawned_backend(launch: Launch, backend: str | None) -> str:
     """The backend of the multiprocessing mode: NCCL when CuPy can load NCCL and this node has a device
     for each of its ``gpu_per_node`` processes, else shm (the GPUs, if any, then shared over host memory;
-    the reason is logged once, on rank 0). Every process of the job sees the same machine, so all choose
+    the reason is logged on rank 0 where CuPy is installed). Every process of the job sees the same machine, so all choose
     alike; a forced ``backend="nccl"`` with too few devices fails on every rank, naming the count."""
     if launch.gpu_num is None or launch.gpu_per_node is None:
         raise ValueError("nccl_id needs gpu_num (this process's rank) and gpu_per_node (the world size)")
@@ -75,12 +75,15 @@ def _spawned_backend(launch: Launch, backend: str | None) -> str:
     if chosen is None:
         why_not = nccl_unfit(launch.gpu_per_node)
         chosen = "shm" if why_not else "nccl"
-        if why_not and launch.gpu_num == 0:
+        if why_not not in ("", _NO_CUPY) and launch.gpu_num == 0:  # a GPU machine: say why not NCCL
             log.info("multiprocessing mode over shared memory: %s", why_not)
     if chosen not in ("shm", "nccl"):
         raise ValueError(f"backend={chosen!r} does not fit the multiprocessing mode (nccl_id given); use 'shm' or "
                          "'nccl'")
     return chosen
+
+
+_NO_CUPY = "CuPy is not installed"
 
 
 def nccl_unfit(processes: int) -> str:
@@ -90,7 +93,7 @@ def nccl_unfit(processes: int) -> str:
         import cupy
         from cupy.cuda import nccl
     except ImportError:
-        return "CuPy is not installed"
+        return _NO_CUPY
     if not getattr(nccl, "available", True):
         return "CuPy cannot load NCCL (cupy.cuda.nccl.available is False)"
     try:

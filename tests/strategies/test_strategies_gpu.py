@@ -26,10 +26,13 @@ EXAMPLES = {**REGISTRY, "dgc-clip": Example("dgc-clip", DGC, {"sparsity": 0.75, 
                                              local_momentum=0.0)}
 
 
-def _train(example: Example, size: int, on_gpu: bool, steps: int = 4) -> list[list[np.ndarray]]:
-    """Every rank's parameters after ``steps`` steps of ``example``, on CuPy over NCCL or on NumPy."""
+def _train(example: Example | None, size: int, on_gpu: bool, steps: int = 4, **options) -> list[list[np.ndarray]]:
+    """Every rank's parameters after ``steps`` steps of ``example`` (None: DistOpt's default strategy, with
+    ``options``), on CuPy over NCCL or on NumPy."""
     def rank_fn(rank, comm):
-        opt = DistOpt(SGD(lr=0.05, momentum=example.local_momentum), comm=comm, strategy=example.build())
+        strategy = {} if example is None else {"strategy": example.build()}  # one object per rank
+        momentum = 0.9 if example is None else example.local_momentum
+        opt = DistOpt(SGD(lr=0.05, momentum=momentum), comm=comm, **options, **strategy)
         params = [p.astype(np.float32) for p in params_for(SHAPES)]
         if on_gpu:
             params = [cupy.asarray(p) for p in params]
@@ -103,23 +106,9 @@ def test_f14_dgc_clipping_stays_on_the_device():
 def test_f21_zero_on_cupy_over_nccl_equals_numpy_twin(zero, size):
     """F21: ZeRO's sharded collectives through NCCL at W > 1, with segments of unequal length (NCCL's
     padded paths): ``zero=1|2`` on CuPy arrays give the NumPy twin's bits, every rank the same."""
-    def train(on_gpu: bool) -> list[list[np.ndarray]]:
-        def rank_fn(rank, comm):
-            opt = DistOpt(SGD(lr=0.05, momentum=0.9), comm=comm, zero=zero)
-            params = [p.astype(np.float32) for p in params_for(SHAPES)]
-            if on_gpu:
-                params = [cupy.asarray(p) for p in params]
-            opt.sync_params(params)
-            for s in range(3):
-                grads = grads_for(s, rank, SHAPES, np.float32)
-                opt.step(params, [cupy.asarray(g) for g in grads] if on_gpu else grads, threshold=100)
-            return [cupy.asnumpy(p) if on_gpu else p for p in params]
-
-        return run_nccl_world(size, rank_fn, timeout=120) if on_gpu else run_world(size, rank_fn, timeout=120)
-
-    twin = train(False)
+    twin = _train(None, size, on_gpu=False, steps=3, zero=zero)
     with devices(size):
-        gpu = train(True)
+        gpu = _train(None, size, on_gpu=True, steps=3, zero=zero)
     for rank in range(size):
         for got, expect, first in zip(gpu[rank], twin[rank], gpu[0]):
             np.testing.assert_array_equal(got, expect)

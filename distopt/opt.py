@@ -26,6 +26,7 @@ from .step.runner import JoinResult, StepRunner
 from .step.state import StepState
 from .step.strategy_set import StrategySet
 from .strategies import Dense, Strategy
+from .strategies.registry import strategy_error
 from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
 from .torch.bucket_views import check_bucket_view
 from .torch.follower import Follower
@@ -125,7 +126,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
         if strategy is not None and not isinstance(strategy, Strategy):
-            raise TypeError(f"strategy must be a distopt.strategies.Strategy, got {type(strategy).__name__}")
+            raise strategy_error(strategy)
         self.opt = opt
         self.local = local = local_optimizer(opt)
         held = Dense() if strategy is None else strategy

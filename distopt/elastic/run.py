@@ -123,7 +123,7 @@ def _lost_world(exc: BaseException, rank: int, world: int, snapshots: SnapshotDi
     newest = snapshots.newest()
     flag = "--rdzv-id" if torchrun else "--run-id"
     kept = ("nothing is committed on this node yet" if newest is None else
-            f"commit {newest[0]} stays in {snapshots.path} on this node, and a job relaunched with {flag} "
+            f"commit {newest[0]} stays in {snapshots.run} on this node, and a job relaunched with {flag} "
             f"{run_id} resumes from it")
     below = (". If fewer nodes than torchrun's --nnodes MIN are left, torchrun's agent stops instead, with "
              "RendezvousTimeoutError, after its rendezvous join_timeout (600 s unless --rdzv-conf "

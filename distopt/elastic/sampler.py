@@ -57,6 +57,7 @@ class ElasticSampler:
             raise ValueError(f"ElasticSampler: seed must be an int >= 0, got {seed!r}")
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.epoch, self.processed = 0, 0
+        self._started = True  # set_epoch was called for the epoch in hand (or it has batches left)
         self.rank, self.world_size = 0, 1
         self.reset(rank, world_size)
 
@@ -82,6 +83,7 @@ class ElasticSampler:
             raise ValueError(f"ElasticSampler.set_epoch: epoch must be an int >= 0, got {epoch!r}")
         if int(epoch) != self.epoch:
             self.epoch, self.processed = int(epoch), 0
+        self._started = True
 
     def order(self) -> np.ndarray:
         """The epoch's global order: int64 indices, shape ``(num_samples,)``."""
@@ -101,7 +103,16 @@ class ElasticSampler:
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's batches for the rest of the epoch, from ``processed`` on (a list of ints per step).
 
-        The iterator does not advance ``processed``: :meth:`record_batch` does, after the step."""
+        The iterator does not advance ``processed``: :meth:`record_batch` does, after the step.
+
+        Raises:
+            RuntimeError: the epoch is used up and :meth:`set_epoch` was not called since (a loop that
+                reads a batch before ``set_epoch``): iterating it would end at once.
+        """
+        if self.processed >= self.num_samples and not self._started:
+            raise RuntimeError(f"ElasticSampler: epoch {self.epoch} is used up ({self.num_samples} samples "
+                               f"processed) and set_epoch was not called since: call "
+                               f"sampler.set_epoch({self.epoch + 1}) before reading the next epoch's batches")
         order = self.order()
         for start in range(self.processed, self.num_samples, self.window):
             yield order[start:start + self.window][self.rank::self.world_size].tolist()
@@ -109,6 +120,7 @@ class ElasticSampler:
     def record_batch(self) -> None:
         """Count one step's window as consumed (call it once per step, on every rank)."""
         self.processed = min(self.num_samples, self.processed + self.window)
+        self._started = self.processed < self.num_samples
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "processed", "num_samples", "seed"}``: the same on every rank."""
@@ -126,3 +138,4 @@ class ElasticSampler:
                              f"{state.get('num_samples')!r}, seed={state.get('seed')!r}; this sampler has "
                              f"num_samples={self.num_samples}, seed={self.seed}")
         self.epoch, self.processed = int(state["epoch"]), int(state["processed"])
+        self._started = self.processed < self.num_samples

@@ -7,10 +7,17 @@ written, atomically (a temporary name, then ``os.replace``), to
 disk, and gone when the machine is. A reader never sees a partial commit: the
 file appears complete under its final name, or not at all.
 
-One process writes in a node's directory (the node's local rank 0), so after a
-write everything else there is stale and removed: the older commits, of any rank
-(a node's rank may change when the world re-forms), and the temporary file a
-writer killed mid-write left. A node keeps one commit (two for a moment).
+Several torchrun agents may share one host (as every test and first try
+does), so each agent's commits live in a directory of its own,
+``distopt-elastic-<run id>/agent-<agent pid>/`` (the agent outlives the
+workers it restarts; torch's rendezvous names a node by its host and pid as
+well). One process writes in it (the agent's local rank 0), so after a write
+everything else there is stale and removed: the older commits, of any rank
+(a rank may change when the world re-forms), and the temporary file a writer
+killed mid-write left; another agent's files are never touched. The newest
+commit is looked for in every agent's directory of the run on this host, so
+a job relaunched with the same run id resumes from what any agent left. An
+agent keeps one commit (two for a moment).
 """
 from __future__ import annotations
 
@@ -29,17 +36,20 @@ class SnapshotDir:
     """The commit files of one run on this node.
 
     Args:
-        run_id: torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``); it names the directory.
+        run_id: torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``); it names the run's directory.
         root: where the directory lives (``/dev/shm``, a tmpfs, by default).
+        agent: the agent whose commits these are (default: this worker's parent process, the agent);
+            it names :attr:`path` inside the run's directory.
 
     Raises:
         ValueError: a run id that is empty or holds a path separator.
     """
 
-    def __init__(self, run_id: str, root: str | os.PathLike = "/dev/shm") -> None:
+    def __init__(self, run_id: str, root: str | os.PathLike = "/dev/shm", agent: int | None = None) -> None:
         if not run_id or "/" in run_id or run_id in (".", ".."):
             raise ValueError(f"distopt.elastic: the run id must be a plain name, got {run_id!r}")
-        self.path = Path(root) / f"distopt-elastic-{run_id}"
+        self.run = Path(root) / f"distopt-elastic-{run_id}"
+        self.path = self.run / f"agent-{os.getppid() if agent is None else int(agent)}"
 
     def write(self, seq: int, rank: int, payload: bytes) -> Path:
         """Store commit ``seq`` of ``rank`` (``payload``: the serialised commit, bytes), atomically, then remove
@@ -61,20 +71,20 @@ class SnapshotDir:
         return final
 
     def newest(self) -> tuple[int, Path] | None:
-        """``(seq, path)`` of the newest commit on this node (of any rank), or None."""
+        """``(seq, path)`` of the newest commit on this host (of any rank and agent of the run), or None."""
         found = [(s, p) for p, (s, _) in self._files()]
         return max(found) if found else None
 
     def remove(self) -> None:
-        """Delete the run's directory (at the end of a successful run)."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Delete the run's directory, every agent's (at the end of a successful run, when no rank commits
+        or reads any more)."""
+        shutil.rmtree(self.run, ignore_errors=True)
 
     def _files(self) -> list[tuple[Path, tuple[int, int]]]:
-        if not self.path.is_dir():
-            return []
         out = []
-        for p in self.path.iterdir():
-            m = _NAME.fullmatch(p.name)
-            if m:
-                out.append((p, (int(m.group(1)), int(m.group(2)))))
+        for folder in (self.run.iterdir() if self.run.is_dir() else ()):
+            for p in (folder.iterdir() if folder.is_dir() else ()):
+                m = _NAME.fullmatch(p.name)
+                if m:
+                    out.append((p, (int(m.group(1)), int(m.group(2)))))
         return out

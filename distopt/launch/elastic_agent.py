@@ -262,8 +262,7 @@ class ElasticAgent:
         """Where the run's newest commit stays, and how to resume from it or remove it."""
         run_id = self.config.run_id
         path = self.config.commit_root / f"distopt-elastic-{run_id}"
-        seqs = [int(m.group(1)) for p in (path.iterdir() if path.is_dir() else ())
-                if (m := _COMMIT.fullmatch(p.name))]
+        seqs = [int(m.group(1)) for p in path.glob("agent-*/*") if (m := _COMMIT.fullmatch(p.name))]
         if not seqs:
             return (f"no commit of run {run_id} in {path} (none was made, or the script gave "
                     "distopt.elastic.run another commit_dir)")

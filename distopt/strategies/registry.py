@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from .base import Strategy
 
-__all__ = ["Example", "REGISTRY", "register"]
+__all__ = ["Example", "REGISTRY", "register", "strategy_error"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,20 @@ def register(*examples: Example) -> None:
         if example.id in REGISTRY:
             raise ValueError(f"strategy example {example.id!r} is registered already")
         REGISTRY[example.id] = example
+
+
+_BY_NAME = {"dense": "Dense()", "allreduce": "Dense()", "half": 'Half(wire="float16")', "fp16": 'Half(wire="float16")',
+            "float16": 'Half(wire="float16")', "bf16": 'Half(wire="bfloat16")', "bfloat16": 'Half(wire="bfloat16")',
+            "topk": 'Sparse(select="topk", density=0.01)', "sparse": 'Sparse(select="topk", density=0.01)',
+            "threshold": 'Sparse(select="threshold", density=...)', "partial": "Partial()", "dgc": "DGC()",
+            "powersgd": "PowerSGD()"}
+
+
+def strategy_error(value: Any) -> TypeError:
+    """The error for a ``strategy=`` that is not a :class:`~distopt.strategies.base.Strategy`: a name
+    (``"topk"``) is answered with the object to pass."""
+    if isinstance(value, str):
+        hint = _BY_NAME.get(value.lower().replace("-", "").replace("_", ""))
+        fix = f"pass distopt.strategies.{hint}" if hint else "pass a strategy object, e.g. distopt.strategies.Dense()"
+        return TypeError(f"strategy must be a distopt.strategies.Strategy object, got the string {value!r}: {fix}")
+    return TypeError(f"strategy must be a distopt.strategies.Strategy, got {type(value).__name__}")

@@ -91,10 +91,10 @@ def assert_no_orphans(job: ElasticJob) -> None:
 
 
 def node_commits(base: Path, node: int) -> list[str]:
-    """The names in node ``node``'s commit directory (``base/node<node>/distopt-elastic-*``): what the
-    node keeps in its shared memory."""
+    """The names in node ``node``'s commit directories (``base/node<node>/distopt-elastic-*/agent-*``, as
+    ``distopt-elastic-<run>/<file>``): what the node keeps in its shared memory."""
     return sorted(f"{d.name}/{f.name}" for d in (base / f"node{node}").glob("distopt-elastic-*")
-                  for f in d.iterdir())
+                  for f in d.glob("agent-*/*"))
 
 
 def resumed_after(rows: list[dict], since: float) -> float:

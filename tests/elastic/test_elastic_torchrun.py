@@ -87,6 +87,24 @@ def test_elastic_nnodes_1_to_3_last_node_goes_on_alone(tmp_path: Path, elastic_r
     assert_same_final(out, elastic_reference(3, 1, COMMIT))
 
 
+def test_three_agents_sharing_one_hosts_commit_directory_need_no_restart(tmp_path: Path) -> None:
+    """Three torchrun agents on one host, their commits in one directory (as in ``/dev/shm`` by default),
+    no fault: every commit of every agent goes through (no writer removes another agent's file), no worker
+    restarts, and the run's directory is gone at the end."""
+    job, out = start_job(tmp_path, "out", 3, [], f"host-{uuid.uuid4().hex[:8]}", nnodes="3:3", max_restarts=0,
+                         one_host=True)
+    try:
+        codes = job.wait(150)
+        assert_no_orphans(job)
+    finally:
+        job.close()
+    assert codes == [0, 0, 0], f"agents' exit codes {codes}\n{job.report()}"
+    rows = read_steps(out)
+    assert rows and all(r["restart"] == 0 for r in rows), job.report()
+    assert sum(r["event"] == "commit" for r in rows) >= 3 * COMMIT, rows
+    assert not list((tmp_path / "host").glob("distopt-elastic-*")), "the run's commits outlived it"
+
+
 def test_elastic_run_under_mpiexec_is_a_clear_error(tmp_path: Path) -> None:
     from tests.support.harness import run_job
 

@@ -164,6 +164,39 @@ def test_lost_world_line_says_where_the_commit_stays(tmp_path: Path) -> None:
     line = _lost_world(RuntimeError("peer gone"), 0, 3, kept, "job7", torchrun=True)
     assert line.startswith("distopt.elastic: rank 0 of 3 lost the world (RuntimeError: peer gone)")
     assert "fewer nodes than torchrun's --nnodes MIN are left" in line and "RendezvousTimeoutError" in line
-    assert f"commit 2 stays in {kept.path} on this node, and a job relaunched with --rdzv-id job7 resumes" in line
+    assert f"commit 2 stays in {kept.run} on this node, and a job relaunched with --rdzv-id job7 resumes" in line
     line = _lost_world(RuntimeError("x"), 1, 2, SnapshotDir("job8", tmp_path), "job8", torchrun=False)
     assert "torchrun" not in line and line.endswith("newest commit; nothing is committed on this node yet.\n")
+
+
+def test_agents_on_one_host_keep_their_commits_apart(tmp_path: Path) -> None:
+    """Several torchrun agents of one run on one host: a writer's clean-up never removes another agent's
+    commit or half-written file, and every agent (a relaunch's too) finds the host's newest commit."""
+    first, second = SnapshotDir("job", tmp_path, agent=101), SnapshotDir("job", tmp_path, agent=202)
+    second.write(1, 1, b"one")
+    half = second.path / "commit-2.rank1.tmp4242"  # the second agent's writer is in the middle of commit 2
+    half.write_bytes(b"tw")
+    first.write(2, 0, b"two")
+    assert half.exists() and (second.path / "commit-1.rank1.pt").exists()
+    relaunched = SnapshotDir("job", tmp_path, agent=303)
+    for d in (first, second, relaunched):
+        seq, path = d.newest()
+        assert seq == 2 and path.read_bytes() == b"two"
+    relaunched.remove()
+    assert not first.run.exists()
+
+
+def test_elastic_sampler_read_before_set_epoch_says_so() -> None:
+    """A loop that reads a batch before ``set_epoch`` gets a clear error naming it, not a bare
+    StopIteration; a restored sampler at the end of an epoch still iterates (nothing left) after set_epoch."""
+    sampler = ElasticSampler(8, 2, world_size=2)
+    for _ in sampler:
+        sampler.record_batch()
+    with pytest.raises(RuntimeError, match=r"epoch 0 is used up .* call sampler.set_epoch\(1\)"):
+        next(iter(sampler))
+    sampler.set_epoch(1)
+    assert len(list(sampler)) == 2
+    restored = ElasticSampler(8, 2, world_size=2)
+    restored.load_state_dict({"epoch": 3, "processed": 8, "num_samples": 8, "seed": 0})
+    restored.set_epoch(3)  # the resumed loop's call for the epoch in hand
+    assert list(restored) == []

@@ -116,8 +116,8 @@ def test_a_failed_copy_restarts_a_smaller_world(tmp_path: Path) -> None:
 
 def test_below_min_np_stops_with_the_failed_status_and_names_the_commit(tmp_path: Path) -> None:
     commits = tmp_path / "distopt-elastic-unit"
-    commits.mkdir()
-    (commits / "commit-5.rank0.pt").write_bytes(b"x")
+    (commits / "agent-1").mkdir(parents=True)
+    (commits / "agent-1" / "commit-5.rank0.pt").write_bytes(b"x")
     script = Scripted([lambda n: [FakeCopy(0, None), FakeCopy(2, 3)]])
     agent, err = _agent(_config(tmp_path, 2, 2, 2), script)
     assert agent.run() == 3

@@ -8,6 +8,8 @@ of every registered strategy object are in ``tests/strategies/test_strategy_conf
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -428,3 +430,13 @@ def test_steady_state_step_after_backward_costs_one_control_collective(kind):
         assert counted[2:] == [1, 2]  # DistOpt.stats counts them too
     if kind != "partial":  # partial averages one chunk per step: replicas differ between syncs by design
         assert all(np.array_equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("name,hint", [("topk", 'Sparse(select="topk", density=0.01)'), ("fp16", 'Half(wire="float16")'),
+                                       ("PowerSGD", "PowerSGD()"), ("fancy", "e.g. distopt.strategies.Dense()")])
+def test_a_strategy_named_by_a_string_is_answered_with_the_object(name, hint):
+    """``strategy="topk"`` (a DDP hook's or Horovod's habit) names the strategy object to pass."""
+    import distopt
+
+    with pytest.raises(TypeError, match=f"got the string '{name}': pass .*" + re.escape(hint)):
+        distopt.DistOpt(distopt.SGD(lr=0.1), strategy=name)

@@ -73,12 +73,14 @@ class ElasticJob:
             ``{"join_timeout": 5}``.
         network: run each agent inside its node of ``network``, against the store at ``network.endpoint``;
             default: every agent on loopback, against a store hosted here.
+        one_host: every agent's commits in one directory, ``out/../host`` (agents sharing one host's
+            ``/dev/shm``, as with the default ``commit_dir``); default: ``out/../node<node>`` each.
     """
 
     def __init__(self, out: Path, script: Path, args: list[str], *, nnodes: str, run_id: str,
                  max_restarts: int = 3, rdzv_conf: dict[str, float | int | str] | None = None,
-                 network: Network | None = None) -> None:
-        self.out, self.script, self.args = out, script, args
+                 network: Network | None = None, one_host: bool = False) -> None:
+        self.out, self.script, self.args, self.one_host = out, script, args, one_host
         self.nnodes, self.run_id, self.max_restarts = nnodes, run_id, max_restarts
         self.rdzv_conf = ",".join(f"{k}={v}" for k, v in {**RDZV_CONF, **(rdzv_conf or {})}.items())
         self.network = network
@@ -103,7 +105,8 @@ class ElasticJob:
         if self.network is not None:
             env.update(self.network.env)
             cmd += ["--local-addr", self.network.addr(node)]
-        cmd += [str(self.script), str(self.out), "--commit-dir", str(self.out.parent / f"node{node}"), *self.args]
+        commits = self.out.parent / ("host" if self.one_host else f"node{node}")
+        cmd += [str(self.script), str(self.out), "--commit-dir", str(commits), *self.args]
         if self.network is not None:
             cmd = self.network.node_argv(node, cmd)
         log = open(self.out / f"agent{len(self.agents)}.log", "w")

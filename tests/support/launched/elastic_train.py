@@ -100,7 +100,7 @@ def main() -> None:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])  # counts failures only, as this agent saw them
     last = int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
     node_dir = args.commit_dir / f"distopt-elastic-{os.environ['TORCHELASTIC_RUN_ID']}"
-    fresh = not list(node_dir.glob("commit-*.pt"))  # no commit on this node: the job's first world
+    fresh = not list(node_dir.glob("agent-*/commit-*.pt"))  # no commit on this node: the job's first world
 
     def rejoin_pause(phase: str) -> None:
         if args.pause_in_rejoin == phase and last and not list(args.out.glob(f"paused-{phase}.*")):
@@ -145,7 +145,7 @@ def main() -> None:
     resumed = {"from": 0}  # the commit this worker resumed from (0: a fresh start)
 
     def node_files() -> list[str]:
-        return sorted(f.name for f in node_dir.iterdir()) if node_dir.is_dir() else []
+        return sorted(f.name for f in node_dir.glob("agent-*/*"))
 
     def record(**fields: object) -> None:
         row = {"world": world, "restart": restart, "rank": rank, "node": args.commit_dir.name,

@@ -66,10 +66,17 @@ def _tier_index(item: pytest.Item) -> int:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Note MPICH's segments in /dev/shm before the run (see :func:`pytest_sessionfinish`)."""
-    from tests.support.harness import mpich_segments
+    """Note MPICH's segments in /dev/shm before the run (see :func:`pytest_sessionfinish`); where
+    ``PYTHONDONTWRITEBYTECODE`` is set, byte-compile the source once, or every worker process the suite
+    starts would compile it again (about 0.2 s each)."""
+    from tests.support.harness import ROOT, mpich_segments
 
     session.stash[MPICH_BEFORE] = mpich_segments()
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        import compileall
+
+        for folder in ("distopt", "tests", "examples", "benchmarks"):
+            compileall.compile_dir(str(ROOT / folder), quiet=2, workers=0)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001

@@ -18,7 +18,7 @@ import numpy as np
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
 __all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes",
-           "torch_stream", "on_torch_stream"]
+           "torch_stream", "on_torch_stream", "as_tensor_like"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,7 +45,8 @@ def local_optimizer(opt: Any) -> LocalOptimizer:
 
 
 def as_array(tensor: Any) -> Any:
-    """A NumPy (CPU) or CuPy (CUDA) array sharing memory with ``tensor``.
+    """A NumPy (CPU) or CuPy (CUDA) array sharing memory with ``tensor``; a complex tensor's real view
+    (``torch.view_as_real``: shape ``(*shape, 2)``, float), as DDP reduces it.
 
     Raises:
         TypeError: the tensor is sparse (array views and collectives take
@@ -73,11 +74,24 @@ def as_array(tensor: Any) -> Any:
                                 "or use torch.autocast(dtype=torch.bfloat16)")
             return cupy.from_dlpack(tensor.view(torch.int16)).view(_bfloat16())
         return tensor.view(torch.int16).numpy().view(_bfloat16())
+    if tensor.is_complex():  # averaged as DDP averages it: the real view of twice the length
+        import torch
+
+        return as_array(torch.view_as_real(tensor))
     if tensor.is_cuda:
         import cupy
 
         return cupy.from_dlpack(tensor)
     return tensor.numpy()
+
+
+def as_tensor_like(array: Any, like: Any) -> Any:
+    """:func:`as_tensor` of ``array`` as the tensor ``like`` sees it: complex again for a complex ``like``
+    (whose :func:`as_array` is the real view)."""
+    import torch
+
+    tensor = as_tensor(array)
+    return torch.view_as_complex(tensor.reshape(*like.shape, 2)) if like.is_complex() else tensor
 
 
 def torch_stream(tensor: Any) -> ContextManager[Any]:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
-from .adapter import as_array, as_tensor
+from .adapter import as_array, as_tensor_like
 
 __all__ = ["GradientSink"]
 
@@ -51,9 +51,9 @@ class GradientSink:
             elif t.grad is None and views is not None:
                 t.grad = views[i]  # its slot (zeros here) holds the average of the other ranks
             elif t.grad is None:
-                t.grad = as_tensor(g)
+                t.grad = as_tensor_like(g, t)
             elif shadow:
-                t.grad.copy_(as_tensor(g).reshape(t.grad.shape))
+                t.grad.copy_(as_tensor_like(g, t).reshape(t.grad.shape))
 
     def bind(self, follower: Any) -> None:
         """Once the follower exists and the parameters are rank 0's on every rank (nothing to do here)."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from ..torch.full_writes import broadcast_from, check_modifier_rank, check_writes, digest
 from .params import ParamShards
 
 __all__ = ["ModuleHooks"]
@@ -83,24 +84,34 @@ class ModuleHooks:
         return self._positions.get(id(module), -1)
 
     @contextmanager
-    def full(self, writeback: bool) -> Iterator[None]:
-        """Every parameter whole inside the block (collective on entry); with ``writeback``, what the block
-        wrote into them is kept.
+    def full(self, writeback: bool, modifier_rank: int | None = None) -> Iterator[None]:
+        """Every parameter whole inside the block (collective on entry and exit); with ``writeback``, what
+        the block wrote into them is kept: ``modifier_rank``'s writes on every rank, or, without it, the
+        writes of every rank when all wrote or none did (:mod:`distopt.torch.full_writes`).
 
         Raises:
-            RuntimeError: called inside a forward pass.
+            RuntimeError: called inside a forward pass; some ranks wrote and others did not (without
+                ``modifier_rank``: the writes are discarded on every rank).
+            ValueError: ``modifier_rank`` outside the world.
         """
         if self._stack:
             raise RuntimeError("summon_full_params() inside a forward pass of the model: call it between steps")
+        check_modifier_rank(modifier_rank, self.store.comm.size)
         self.store.gather_all()
+        flats = self.store.gathered_flats()
+        before = digest(flats) if writeback and modifier_rank is None else 0
         try:
             yield
-        finally:
+            if writeback and modifier_rank is not None:
+                broadcast_from(self.store.comm, flats, modifier_rank)
+            elif writeback:
+                check_writes(self.store.comm, before, digest(flats), discarded=True)
             if writeback:
                 import torch
 
                 with torch.no_grad():
                     self.store.write_back()
+        finally:
             self.store.free_all()
 
     def hook(self, model: Any) -> list[Any]:

@@ -321,6 +321,10 @@ class ParamShards:
         """The data pointers of the buckets' flat buffers (a tensor sharing one views a gathered parameter)."""
         return {f.untyped_storage().data_ptr() for f in self._flats}
 
+    def gathered_flats(self) -> list[Any]:
+        """The flat buffers of the buckets that are whole now (what the model's parameters view)."""
+        return [flat for b, flat in enumerate(self._flats) if self._state[b] == _FULL]
+
     def write_back(self) -> None:
         """Copy every gathered bucket's segment of this rank back into :attr:`segments` (the model's
         parameters were written: ``load_state_dict``, ``summon_full_params``)."""

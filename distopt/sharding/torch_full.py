@@ -114,8 +114,9 @@ class FullyShardedTorchStep(ShardedTorchStep):
             self.hooks.end_of_backward()
 
     @contextmanager
-    def full_parameters(self, writeback: bool) -> Iterator[None]:
+    def full_parameters(self, writeback: bool, modifier_rank: int | None, comm: Any,  # noqa: ARG002
+                        params: Sequence[Any]) -> Iterator[None]:
         """Every parameter whole inside the block (:meth:`ModuleHooks.full`)."""
         assert self.hooks is not None
-        with self.hooks.full(writeback):
+        with self.hooks.full(writeback, modifier_rank):
             yield

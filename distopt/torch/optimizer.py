@@ -75,12 +75,16 @@ class TorchSurface:
         self.follower.synchronize()
         self.follower.sink.wait()
 
-    def summon_full_params(self, writeback: bool = True) -> Any:
+    def summon_full_params(self, writeback: bool = True, modifier_rank: int | None = None) -> Any:
         """FSDP's context manager: every parameter of the model whole inside the block (collective on
-        entry). With ``zero=3`` the parameters are gathered (``model.parameters()`` are 0-element tensors
-        at rest) and freed after it, keeping what the block wrote with ``writeback``; at other stages they
-        are always whole. RuntimeError inside a forward pass."""
-        return self.follower.sink.full_parameters(writeback)
+        entry and exit). With ``zero=3`` the parameters are gathered (``model.parameters()`` are 0-element
+        tensors at rest) and freed after it, keeping what the block wrote with ``writeback``; at other
+        stages they are always whole. ``modifier_rank=r`` (DeepSpeed's ``GatheredParameters``): rank r's
+        writes become every rank's. Without it, writes made on some ranks only raise RuntimeError on every
+        rank (at ``zero=3`` they are discarded). ValueError for a ``modifier_rank`` outside the world;
+        RuntimeError inside a forward pass."""
+        return self.follower.sink.full_parameters(writeback, modifier_rank, self.follower.runner.engine.comm,
+                                                  self.follower.local.params())
 
     def skip_synchronize(self) -> Any:
         """Horovod's ``with opt.skip_synchronize(): opt.step()``: the step averages nothing more."""

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 from ..step.outcome import Outcome
 from ..step.pipeline import BucketPipeline
 from .adapter import as_array, as_tensor_like
+from .full_writes import broadcast_from, check_modifier_rank, check_writes, digest
 
 __all__ = ["GradientSink"]
 
@@ -75,10 +76,19 @@ class GradientSink:
         """Complete parameter communication still in flight after a step (none here)."""
 
     @contextmanager
-    def full_parameters(self, writeback: bool) -> Iterator[None]:  # noqa: ARG002 (parameters are always whole)
-        """Every parameter whole inside the block (here: once gathers in flight have completed)."""
+    def full_parameters(self, writeback: bool, modifier_rank: int | None, comm: Any,
+                        params: Sequence[Any]) -> Iterator[None]:
+        """Every parameter whole inside the block (here: once gathers in flight have completed); with
+        ``writeback``, ``modifier_rank``'s writes become every rank's, or writes on some ranks only raise
+        (:mod:`distopt.torch.full_writes`)."""
+        check_modifier_rank(modifier_rank, comm.size)
         self.wait()
+        before = digest(params) if writeback and modifier_rank is None else 0
         yield
+        if writeback and modifier_rank is not None:
+            broadcast_from(comm, params, modifier_rank)
+        elif writeback:
+            check_writes(comm, before, digest(params), discarded=False)
 
     def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
         """``torch.nn.utils.clip_grad_norm_`` over ``params`` (their ``.grad`` is the average on every rank)."""

@@ -52,6 +52,8 @@ class Counters(Mapping):
             array optimizer, whose arrays are the caller's).
         gathered_bytes_peak: BYTES, at most, of full parameters gathered
             at one time since the previous step (``zero=3``; 0 otherwise).
+        gathered_bytes: BYTES of full parameters gathered (or being gathered) now
+            (``zero=3``; 0 otherwise).
     """
 
     steps: int = 0
@@ -67,6 +69,7 @@ class Counters(Mapping):
     gradient_bytes: int = 0
     parameter_bytes: int = 0
     gathered_bytes_peak: int = 0
+    gathered_bytes: int = 0
     _reported: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, n: int) -> None:

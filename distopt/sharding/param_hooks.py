@@ -16,9 +16,9 @@ post-backward hooks (Zhao et al., VLDB 2023):
   (prefetch), and announces the prefetch of the module that runs after it,
   which that module starts once every rank has announced the same (so the
   ranks need not meet in a check before each gather). A module with an empty unit (a container) does nothing. When
-  the outermost module returns, everything is freed but, with gradients
-  on, the buckets of the last unit and of the one before it, which
-  backward needs first;
+  the outermost module returns, everything is freed (the root's and the
+  last module's buckets too, as FSDP2 does): backward's first hook gathers
+  what it needs;
 * **backward**: a hook on each module's outputs (``register_multi_grad_hook``)
   gathers the module's unit before its backward runs and prefetches the one
   before it. A bucket is freed once each of its parameters has its gradient
@@ -77,7 +77,6 @@ class ModuleHooks:
         self._next2: dict[int, tuple[int, ...]] = {}  # the next module's prefetch (announced here, started there)
         self._prev2: dict[int, tuple[int, ...]] = {}
         self._stack: list[Any] = []
-        self._last: Any = None
         self._depth = 0  # nesting of state_dict / load_state_dict calls
 
     def _position(self, module: Any) -> int:
@@ -205,7 +204,6 @@ class ModuleHooks:
             return
         if self.reshard or not torch.is_grad_enabled():
             self.store.free_all(keep={*need, *ahead, *(b for m in self._stack for b in self._unit(m))})
-        self._last = module
         self.store.gather(0, self._position(module), need, ahead, self._next2.get(id(module), ()))
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:  # noqa: ARG002
@@ -230,8 +228,7 @@ class ModuleHooks:
                 return
         if grad and not self.reshard:
             return
-        last = self._last  # with gradients on, backward starts with the last unit and the one before it
-        self.store.free_all(keep=(*self._unit(last), *self._prev.get(id(last), ())) if grad and last else ())
+        self.store.free_all()  # backward's first hook gathers what it needs (FSDP2 frees the root's too)
 
     def _pre_backward(self, module: Any) -> None:
         self.store.gather(1, self._position(module), self._unit(module), self._prev.get(id(module), ()),

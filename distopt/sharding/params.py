@@ -192,6 +192,7 @@ class ParamShards:
         self._state[b] = _PENDING
         self._gathered += flat.nbytes
         self.counters.gather_bytes += int(flat.nbytes)
+        self.counters.gathered_bytes = self._gathered
         self._peak = max(self._peak, self._gathered)
 
     def _finish(self, b: int) -> None:
@@ -227,6 +228,7 @@ class ParamShards:
         flat = self._flats[b]
         flat.untyped_storage().resize_(0)
         self._gathered -= flat.nbytes
+        self.counters.gathered_bytes = self._gathered
         self._state[b] = _FREE
 
     def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:

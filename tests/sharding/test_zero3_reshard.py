@@ -1,0 +1,63 @@
+"""H104: with ``reshard_after_forward=True`` every bucket is freed after the forward that used it (the
+root's and the last module's too), so nothing stays gathered between forward and backward; with False
+everything stays. Results are the same either way, and equal zero=0."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support.backends import run_case, tiered
+
+torch = pytest.importorskip("torch")
+
+import distopt  # noqa: E402
+
+
+class Scaled(torch.nn.Module):
+    """``scale * head(body(x))``: a root parameter beside two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6, 2)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: Any) -> Any:
+        return self.scale * self.head(torch.tanh(self.body(x)))
+
+
+def case_reshard(rank: int, comm: Any, zero: int, reshard: bool) -> dict[str, Any]:
+    model = Scaled()
+    opt = distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, zero=zero, model=model,
+                          buffSize=16, reshard_after_forward=reshard)
+    found: dict[str, Any] = {"between": [], "after": []}
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.full((3, 4), 0.1 * (rank + 1) + step)
+        loss = model(x).square().mean()
+        found["between"].append(opt.stats["gathered_bytes"])
+        loss.backward()
+        found["after"].append(opt.stats["gathered_bytes"])
+        opt.step()
+    with opt.summon_full_params(writeback=False):
+        found["params"] = [p.detach().clone().numpy() for p in model.parameters()]
+    found["model_bytes"] = sum(p.numel() * 4 for p in Scaled().parameters())
+    opt.close()
+    return found
+
+
+@pytest.mark.parametrize("backend", tiered(["sim", "shm"]))
+def test_h104_reshard_after_forward_frees_every_bucket(backend: str) -> None:
+    ref = run_case(backend, 2, case_reshard, 0, True)
+    freed = run_case(backend, 2, case_reshard, 3, True)
+    kept = run_case(backend, 2, case_reshard, 3, False)
+    for rank in range(2):
+        assert freed[rank]["between"][1:] == [0, 0], freed[rank]["between"]  # the first forward learns the units
+        assert kept[rank]["between"][1:] == [kept[rank]["model_bytes"]] * 2, kept[rank]["between"]
+        assert freed[rank]["after"] == kept[rank]["after"] == [0, 0, 0]
+        for a, b, c in zip(freed[rank]["params"], kept[rank]["params"], ref[rank]["params"]):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)

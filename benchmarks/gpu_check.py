@@ -20,9 +20,10 @@ reported, the other parts still run):
 * ``timing``: a dense step of 4 Mi float32 elements in 16 tensors over NCCL
   at world size 1 against the same step on NumPy (median of 10, ms).
 
-Runs in about 1-3 minutes on one GPU, 30-60 s on the stand-in. The report
-goes to ``benchmarks/results/gpu_check.json`` (``--out``); the exit status
-is 1 when a part failed, a test failed or a strategy's bits differ.
+Every part has a deadline (:data:`PARTS`, 14 minutes in all), so the check
+ends even when something hangs. The report goes to
+``benchmarks/results/gpu_check.json`` (``--out``); the exit status is 1 when
+a part failed, a test failed or a strategy's bits differ.
 """
 from __future__ import annotations
 

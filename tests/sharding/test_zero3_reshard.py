@@ -20,10 +20,13 @@ class Scaled(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.body = torch.nn.Linear(4, 6)
         self.head = torch.nn.Linear(6, 2)
         self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        rng = np.random.default_rng(0)  # not torch's global generator: the simulated ranks are threads
+        with torch.no_grad():
+            for p in (*self.body.parameters(), *self.head.parameters()):
+                p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32)) * 0.3)
 
     def forward(self, x: Any) -> Any:
         return self.scale * self.head(torch.tanh(self.body(x)))

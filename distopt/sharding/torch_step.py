@@ -69,11 +69,13 @@ def check_elementwise(optimizer: Any, zero: int) -> None:
                          "declare it, or use zero=0")
 
 
-def _refuse(func: Any) -> RuntimeError:
-    return RuntimeError(f"DistOpt(zero=2) keeps each gradient sharded over the ranks, so .grad of a parameter is "
-                        f"a placeholder between backward and step() ({func} needs its values): clip with "
+def _refuse(func: Any, zero: int) -> RuntimeError:
+    return RuntimeError(f"DistOpt(zero={zero}) keeps each gradient sharded over the ranks, so .grad of a parameter "
+                        f"is a placeholder between backward and step() ({func} needs its values): clip with "
                         "opt.clip_grad_norm_(max_norm) (the global norm over every rank's shard), and edit "
-                        "gradients with zero=1 or zero=0")
+                        "gradients with zero=1 or zero=0. Several backward() calls before one step() (gradient "
+                        "accumulation) run all but the last inside `with opt.no_sync():`, or pass "
+                        "backward_passes_per_step=k")
 
 
 def _placeholder_class() -> type:
@@ -83,15 +85,18 @@ def _placeholder_class() -> type:
         """Stage 2's ``.grad`` of a parameter: its shape, dtype and device, and an error for any use."""
 
         @staticmethod
-        def __new__(cls, like: Any) -> Any:
-            return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        def __new__(cls, like: Any, zero: int) -> Any:
+            made = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+            made._zero = zero  # the stage in force, for the error
+            return made
 
         def __repr__(self) -> str:  # type: ignore[override]
             return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype})"
 
         @classmethod
         def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            raise _refuse(func)
+            zero = next((a._zero for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)), 2)
+            raise _refuse(func, zero)
 
     return ShardedGradTensor
 
@@ -99,12 +104,13 @@ def _placeholder_class() -> type:
 _PLACEHOLDER: list[type] = []  # the class, built at first use (torch is imported lazily)
 
 
-def sharded_grad(like: Any) -> Any:
-    """Stage 2's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any operation
-    on it (``clip_grad_norm_``, ``mul_``) raises a RuntimeError naming ``opt.clip_grad_norm_``."""
+def sharded_grad(like: Any, zero: int) -> Any:
+    """Stage 2's and 3's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any
+    operation on it (``clip_grad_norm_``, ``mul_``, a second backward's accumulation) raises a RuntimeError
+    naming ``zero`` (the stage in force), ``opt.clip_grad_norm_`` and ``opt.no_sync()``."""
     if not _PLACEHOLDER:
         _PLACEHOLDER.append(_placeholder_class())
-    return _PLACEHOLDER[0](like)
+    return _PLACEHOLDER[0](like, zero)
 
 
 def is_sharded_grad(grad: Any) -> bool:
@@ -193,7 +199,7 @@ class ShardedTorchStep(GradientSink):
             super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
         else:
             for t, ok in zip(tensors, outcome.present):
-                t.grad = sharded_grad(t.detach()) if outcome.applies and ok and not skipped else None
+                t.grad = sharded_grad(t.detach(), self.stage) if outcome.applies and ok and not skipped else None
         if skipped or not outcome.applies:
             return
         for p, s in zip(plan.pieces, self.shards):

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ..core._array import cupy_major
+
 try:
     import cupy
     from cupy.cuda import nccl
@@ -34,7 +36,7 @@ __all__ = ["NCCL_TYPES", "nccl_dtype", "nccl_op", "bfloat16_supported"]
 
 def bfloat16_supported() -> bool:
     """CuPy 14 and later hold ``ml_dtypes.bfloat16`` arrays ("minimal support for bfloat16")."""
-    if int(cupy.__version__.split(".")[0]) < 14 or not hasattr(nccl, "NCCL_BFLOAT16"):
+    if cupy_major(cupy) < 14 or not hasattr(nccl, "NCCL_BFLOAT16"):
         return False
     try:
         import ml_dtypes  # noqa: F401

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..core._fastcast import cast_into
+from ..core._array import cupy_major
 from ._xp import is_cupy, xp
 
 WIRE_DTYPES = ("float16", "bfloat16")
@@ -120,7 +121,7 @@ def _wire_dtype(name: str, x: Any) -> Any:
         raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {name!r}")
     if name == "float16":
         return xp(x).float16
-    if is_cupy(x) and int(xp(x).__version__.split(".")[0]) < 14:
+    if is_cupy(x) and cupy_major(xp(x)) < 14:
         raise TypeError(f"bfloat16 wire dtype on CuPy arrays needs CuPy 14 or later (bfloat16 through ml_dtypes), "
                         f"this is CuPy {xp(x).__version__}; use 'float16'")
     try:

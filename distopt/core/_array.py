@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["xp_of", "is_cupy", "any_not_finite"]
+__all__ = ["xp_of", "is_cupy", "cupy_major", "any_not_finite"]
 
 
 def is_cupy(array: Any) -> bool:
@@ -22,6 +22,11 @@ def xp_of(array: Any) -> ModuleType:
 
         return cupy
     return np
+
+
+def cupy_major(cupy: ModuleType) -> int:
+    """CuPy's major version (14 and later hold ml_dtypes' bfloat16 arrays)."""
+    return int(cupy.__version__.split(".")[0])
 
 
 def any_not_finite(arrays: Iterable[Any]) -> bool:

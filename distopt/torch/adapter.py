@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import numpy as np
 
+from ..core._array import cupy_major
 from ..step.local import ArrayOptimizer, LocalOptimizer
 
 __all__ = ["is_torch_optimizer", "local_optimizer", "TorchOptimizer", "as_array", "as_tensor", "tensor_bytes",
@@ -68,7 +69,7 @@ def as_array(tensor: Any) -> Any:
         if tensor.is_cuda:
             import cupy
 
-            if int(cupy.__version__.split(".")[0]) < 14:
+            if cupy_major(cupy) < 14:
                 raise TypeError(f"bfloat16 CUDA tensors are viewed as CuPy arrays from CuPy 14 on (this is CuPy "
                                 f"{cupy.__version__}): upgrade CuPy, keep CUDA parameters in float32 or float16, "
                                 "or use torch.autocast(dtype=torch.bfloat16)")

@@ -130,26 +130,6 @@ class ndarray:
         host_sync("tolist")
         return self._a.tolist()
 
-    def __float__(self) -> float:
-        streams.run_current()
-        host_sync("float")
-        return float(self._a)
-
-    def __int__(self) -> int:
-        streams.run_current()
-        host_sync("int")
-        return int(self._a)
-
-    def __bool__(self) -> bool:
-        streams.run_current()
-        host_sync("bool")
-        return bool(self._a)
-
-    def __complex__(self) -> complex:
-        streams.run_current()
-        host_sync("complex")
-        return complex(self._a)
-
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
                         "a NumPy array explicitly.")
@@ -236,6 +216,20 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
             setattr(ndarray, _form, _binary(_form, _inplace))
 for _form in ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"):
     setattr(ndarray, _form, _binary(_form))
+
+
+def _host_read(kind: type) -> Any:
+    """``float(a)``, ``int(a)``, ``bool(a)``, ``complex(a)``: a copy to the host, after the stream's work."""
+    def read(self: ndarray) -> Any:
+        streams.run_current()
+        host_sync(kind.__name__)
+        return kind(self._a)
+
+    return read
+
+
+for _kind in (float, int, bool, complex):
+    setattr(ndarray, f"__{_kind.__name__}__", _host_read(_kind))
 
 
 def _unary(name: str) -> Any:

@@ -269,10 +269,6 @@ else:
             for comm, stream, calls in by_target.values():
                 comm._queue(stream, calls)
 
-    def group_depth() -> int:
-        """Stand-in only: how deep this thread is in ``groupStart()`` calls."""
-        return getattr(_group, "depth", 0)
-
     class _Op:
         """One round of a communicator's calls, queued on a stream. A call is
         ``(kind, count, dtype, extra, recv pointer or None, send pointer or None)``."""

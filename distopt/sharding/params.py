@@ -215,6 +215,17 @@ class ParamShards:
             if self._kinds:  # made whole again: its own class back
                 t.__class__ = self._kinds[s.index]
 
+    def _renew(self, b: int) -> None:
+        """Give bucket ``b`` a new, empty flat buffer and views into it (the old memory stays with whoever
+        still holds it)."""
+        import torch
+
+        old = self._flats[b]
+        flat = torch.empty(old.numel(), dtype=old.dtype, device=old.device)
+        self._full[b] = [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.buckets[b].slots]
+        flat.untyped_storage().resize_(0)
+        self._flats[b] = flat
+
     def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
         if self._state[b] == _PENDING:
@@ -226,7 +237,10 @@ class ParamShards:
             t.data = self._empty[s.index]
             t.__class__ = _freed_class(self._kinds[s.index])
         flat = self._flats[b]
-        flat.untyped_storage().resize_(0)
+        if flat.untyped_storage().resizable():
+            flat.untyped_storage().resize_(0)
+        else:  # a NumPy array (``p.numpy()`` inside ``summon_full_params``) shares it: it keeps that memory
+            self._renew(b)
         self._gathered -= flat.nbytes
         self.counters.gathered_bytes = self._gathered
         self._state[b] = _FREE

@@ -102,14 +102,15 @@ class FullyShardedTorchStep(ShardedTorchStep):
     def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)
         """After the inner ``step()``: swap back and drop the shard gradients; nothing is gathered."""
         self.swap_out()
-        self._step = None
+        self._step = self._unstepped = None
         for s in self.shards:
             s.grad = None
         self._drop_placeholders()
         self.store.step_done()
 
     def end_of_backward(self) -> None:
-        """Free the buckets a backward left gathered."""
+        """Free the buckets a backward left gathered; drop the placeholders it did not replace."""
+        super().end_of_backward()
         if self.hooks is not None:
             self.hooks.end_of_backward()
 

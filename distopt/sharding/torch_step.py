@@ -22,7 +22,10 @@ After the reduction, ``.grad`` of a parameter holds:
   the gradient lives only in this rank's segments, and any use of the
   placeholder raises an error naming ``opt.clip_grad_norm_`` (the global
   norm over every rank's shard), never a silently per-rank result. It is
-  None again after ``step()`` and ``zero_grad()``.
+  None again after ``step()`` and ``zero_grad()``. Another backward before
+  ``step()`` accumulates: outside ``no_sync()`` its reduce-scatter adds to
+  the held segments (FSDP's accumulation), inside it sums locally in
+  ``.grad`` until the next synchronizing backward.
 """
 from __future__ import annotations
 
@@ -73,9 +76,8 @@ def _refuse(func: Any, zero: int) -> RuntimeError:
     return RuntimeError(f"DistOpt(zero={zero}) keeps each gradient sharded over the ranks, so .grad of a parameter "
                         f"is a placeholder between backward and step() ({func} needs its values): clip with "
                         "opt.clip_grad_norm_(max_norm) (the global norm over every rank's shard), and edit "
-                        "gradients with zero=1 or zero=0. Several backward() calls before one step() (gradient "
-                        "accumulation) run all but the last inside `with opt.no_sync():`, or pass "
-                        "backward_passes_per_step=k")
+                        "gradients with zero=1 or zero=0 (several backward() calls before one step() accumulate "
+                        "at every stage)")
 
 
 def _placeholder_class() -> type:
@@ -106,8 +108,9 @@ _PLACEHOLDER: list[type] = []  # the class, built at first use (torch is importe
 
 def sharded_grad(like: Any, zero: int) -> Any:
     """Stage 2's and 3's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any
-    operation on it (``clip_grad_norm_``, ``mul_``, a second backward's accumulation) raises a RuntimeError
-    naming ``zero`` (the stage in force), ``opt.clip_grad_norm_`` and ``opt.no_sync()``."""
+    operation on it (``clip_grad_norm_``, ``mul_``) raises a RuntimeError naming ``zero`` (the stage in
+    force) and ``opt.clip_grad_norm_``. A second backward replaces it before accumulating
+    (:meth:`ShardedTorchStep.adopt`)."""
     if not _PLACEHOLDER:
         _PLACEHOLDER.append(_placeholder_class())
     return _PLACEHOLDER[0](like, zero)
@@ -150,6 +153,8 @@ class ShardedTorchStep(GradientSink):
         self._step: ShardedStep | None = None
         self._gather: ParamGather | None = None
         self.restore: Any = None  # called once the first plan is bound (a checkpoint loaded before it)
+        self._unstepped: tuple[ShardedStep, list[bool]] | None = None  # a reduced gradient not stepped yet
+        self._cleared: set[int] = set()  # tensors whose placeholder a new backward replaces
         self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
         self._clip = ShardedClip(comm)
 
@@ -188,29 +193,62 @@ class ShardedTorchStep(GradientSink):
 
     def adopt(self, pipeline: BucketPipeline, tensors: Sequence[Any], grads: Sequence[Any],
               outcome: Outcome, skipped: bool, shadow: bool, views: Sequence[Any] | None) -> None:
-        """After a sharded reduction: set ``.grad`` (see the module docs) and swap the shard tensors in."""
+        """After a sharded reduction: set ``.grad`` (see the module docs) and swap the shard tensors in.
+
+        A second reduction before ``step()`` (several backward passes outside
+        ``no_sync()``) adds to the first at stage 2 and 3: its segments
+        receive the held ones (FSDP's accumulation into the sharded gradient);
+        at stage 1 autograd already summed it into ``.grad``, whose whole
+        average was reduced again, as at ``zero=0``.
+        """
         step = pipeline.sync
         assert isinstance(step, PieceUpdate)
         plan = step.plan
         self.swap_out()
         self._bind(plan, tensors)
+        present = list(outcome.present)
+        held, self._unstepped = self._unstepped, None
+        if isinstance(step, ShardedStep) and held is not None and outcome.applies and not skipped:
+            before, had = held
+            for b, segment in step.segments.items():
+                if b in before.segments:
+                    segment += before.segments[b]
+            present = [a or h for a, h in zip(present, had)]
         self._step = step
         if self.stage == 1:  # the whole average, as zero=0; the shard gradients view it
             super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
         else:
-            for t, ok in zip(tensors, outcome.present):
+            for t, ok in zip(tensors, present):
                 t.grad = sharded_grad(t.detach(), self.stage) if outcome.applies and ok and not skipped else None
+            self._replace_on_backward(tensors)
         if skipped or not outcome.applies:
             return
+        if isinstance(step, ShardedStep):
+            self._unstepped = (step, present)
         for p, s in zip(plan.pieces, self.shards):
             t = tensors[p.index]
-            if not outcome.present[p.index]:
+            if not present[p.index]:
                 s.grad = None
             elif isinstance(step, ShardedStep):
                 s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
             else:
                 s.grad = t.grad.view(-1)[p.start:p.stop]
         self._swap_in()
+
+    def _replace_on_backward(self, tensors: Sequence[Any]) -> None:
+        """A hook on each tensor (once) that runs before autograd accumulates a new gradient into ``.grad``:
+        it drops the placeholder, so the new backward's gradient is this rank's own, which its reduction
+        adds to the held segments (:meth:`adopt`) or ``no_sync()`` accumulates locally."""
+        for t in tensors:
+            if id(t) in self._cleared or not t.requires_grad:
+                continue
+            self._cleared.add(id(t))
+
+            def replace(grad: Any, t: Any = t) -> None:
+                if is_sharded_grad(t.grad):
+                    t.grad = None
+
+            self.local.handles.append(t.register_hook(replace))
 
     def _swap_in(self) -> None:
         groups = self.local.optimizer.param_groups
@@ -232,11 +270,18 @@ class ShardedTorchStep(GradientSink):
         self.swapped, self._real = False, []
         self.local.real_groups = None
 
+    def end_of_backward(self) -> None:
+        """At the end of every backward pass: a placeholder this backward did not replace (its tensor got
+        no new gradient) is dropped, so a reduction now reads no gradient there; what the held step
+        reduced for it stays in the held segments."""
+        self._drop_placeholders()
+
     def before_zero_grad(self) -> None:
         """Give the inner optimizer its own groups back and drop stage 2's placeholders, so ``zero_grad``
         (``set_to_none`` or not) works as without sharding."""
         self.swap_out()
         self._drop_placeholders()
+        self._unstepped = None
 
     def _drop_placeholders(self) -> None:
         for t in self.tensors:
@@ -259,7 +304,7 @@ class ShardedTorchStep(GradientSink):
     def after_step(self, applied: bool) -> None:
         """After the inner ``step()``: swap back, drop the shard gradients, gather the parameters."""
         self.swap_out()
-        step, self._step = self._step, None
+        step, self._step, self._unstepped = self._step, None, None
         for s in self.shards:
             s.grad = None
         self._drop_placeholders()

@@ -61,6 +61,31 @@ _METADATA = frozenset({"numel", "size", "dim", "element_size", "nelement", "is_c
                        "is_complex", "stride", "data_ptr", "untyped_storage", "get_device", "detach", "__hash__",
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
 _FREED: dict[type, type] = {}  # a parameter class -> its freed subclass
+_NOT_SHAPE = object()
+
+
+def _whole_metadata(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> Any:
+    """What a freed parameter answers for its shape (``shape``, ``ndim``, ``size()``, ``dim()``,
+    ``numel()``, ``nelement()``): the whole parameter's, as FSDP2's DTensor parameters report the global
+    shape; ``_NOT_SHAPE`` for any other call."""
+    import torch
+
+    owner = getattr(func, "__self__", None)
+    if not args or not hasattr(args[0], "_zero3_shape"):
+        return _NOT_SHAPE
+    shape = torch.Size(args[0]._zero3_shape)
+    if name == "__get__" and owner is torch.Tensor.shape:
+        return shape
+    if name == "__get__" and owner is torch.Tensor.ndim:
+        return len(shape)
+    if name == "size":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+    if name == "dim":
+        return len(shape)
+    if name in ("numel", "nelement"):
+        return shape.numel()
+    return _NOT_SHAPE
 
 
 def _freed_class(kind: type) -> type:
@@ -71,6 +96,9 @@ def _freed_class(kind: type) -> type:
 
         def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name = getattr(func, "__name__", "")
+            whole = _whole_metadata(func, name, args, kwargs or {})
+            if whole is not _NOT_SHAPE:
+                return whole
             if name in ("__get__", "__set__", "__delete__") or name in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
@@ -236,6 +264,7 @@ class ParamShards:
             t = self.tensors[s.index]
             t.data = self._empty[s.index]
             t.__class__ = _freed_class(self._kinds[s.index])
+            t._zero3_shape = self.shapes[id(t)]
         flat = self._flats[b]
         if flat.untyped_storage().resizable():
             flat.untyped_storage().resize_(0)

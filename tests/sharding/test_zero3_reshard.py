@@ -92,3 +92,37 @@ def test_an_edit_of_grad_at_zero_2_and_3_names_the_stage_in_force(zero: int) -> 
     for message in run_world(2, lambda rank, comm: case_grad_edit(rank, comm, zero)):
         assert f"DistOpt(zero={zero}) keeps each gradient sharded" in message, message
         assert "opt.clip_grad_norm_" in message, message
+
+
+def case_counts(rank: int, comm: Any) -> dict[str, Any]:
+    model = Scaled()
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    opt = distopt.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, zero=3, model=model,
+                          buffSize=16)
+    found = {"whole": whole, "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+             "sizes": {n: (tuple(p.size()), p.dim(), p.ndim, p.nelement()) for n, p in model.named_parameters()},
+             "count": sum(p.numel() for p in model.parameters()),
+             "held": sum(p.untyped_storage().nbytes() for p in model.parameters())}
+    try:
+        model.head.weight.sum()
+    except RuntimeError as exc:
+        found["error"] = str(exc)
+    opt.close()
+    return found
+
+
+@pytest.mark.unit
+def test_zero3_parameters_between_steps_report_the_models_size() -> None:
+    """As FSDP2's DTensor parameters: ``p.shape``/``p.numel()`` of a freed parameter answer the whole
+    parameter's, so ``sum(p.numel() ...)`` counts the model; it holds no memory, and computing with it
+    still raises naming it."""
+    from tests.support.simworld import run_world
+
+    for found in run_world(2, case_counts):
+        assert found["shapes"] == found["whole"]
+        for name, (size, dim, ndim, nelement) in found["sizes"].items():
+            assert size == found["whole"][name] and dim == ndim == len(size)
+            assert nelement == int(np.prod(size))
+        assert found["count"] == 4 * 6 + 6 + 6 * 2 + 2 + 1
+        assert found["held"] == 0
+        assert "'head.weight' is freed" in found["error"], found["error"]

@@ -96,6 +96,28 @@ def parameter_names(model: Any, params: Sequence[Any]) -> list[str]:
     return [by_id.get(id(p), f"(outside the model) #{i}") for i, p in enumerate(params)]
 
 
+def _guard_hooks_under_compile() -> None:
+    """Make ``torch.compile`` run the buffer broadcast's forward hooks, whatever else it compiled.
+
+    By default (``torch._dynamo.config.skip_nnmodule_hook_guards = True``)
+    ``torch.compile`` reuses the code it compiled for another module of the
+    same structure without checking the modules' hooks, so after another
+    compiled model ran in the process the wrapped model's hooks were
+    skipped, and its buffers never broadcast. This turns those guards on
+    and, when code was compiled before (``torch._dynamo`` loaded), drops
+    it (``torch._dynamo.reset()``: it recompiles at its next call).
+    """
+    import sys
+
+    loaded = "torch._dynamo" in sys.modules
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        if loaded:
+            torch._dynamo.reset()
+
+
 class ModelSync:
     """A PyTorch optimizer's (and model's) tensors, synchronized across ranks from one rank.
 
@@ -103,7 +125,8 @@ class ModelSync:
     broadcasts rank 0's parameters (frozen ones and ones outside the
     optimizer included) and buffers at construction, and with
     ``broadcast_buffers=True`` before a training-mode forward that follows a
-    synchronizing forward, as DDP does (``require_forward_param_sync``): a
+    synchronizing forward, as DDP does (``require_forward_param_sync``; also
+    under ``torch.compile``, see :func:`_guard_hooks_under_compile`): a
     forward inside ``no_sync()`` (or under ``torch.no_grad()``) leaves the
     next forward's buffers alone, so with accumulation the buffers are
     broadcast at the first micro-batch of each step.
@@ -170,8 +193,11 @@ class ModelSync:
 
                 self.sync_next = torch.is_grad_enabled() and forward_syncs()
 
-            local.handles.append(model.register_forward_pre_hook(before_forward))
-            local.handles.append(model.register_forward_hook(after_forward))
+            import torch
+
+            _guard_hooks_under_compile()
+            local.handles.append(model.register_forward_pre_hook(torch.compiler.disable(before_forward)))
+            local.handles.append(model.register_forward_hook(torch.compiler.disable(after_forward)))
             self.hooked = True
 
     def _active(self, active: bool) -> list[int]:

@@ -9,7 +9,7 @@ from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
 from .torch_step import ShardedTorchStep, check_elementwise, consolidate
 
-__all__ = ["ShardedState", "torch_sharding", "check_shards"]
+__all__ = ["ShardedState", "torch_sharding", "check_shards", "merge_shards"]
 
 
 def check_shards(shards: Sequence[Any]) -> None:
@@ -38,6 +38,22 @@ def check_shards(shards: Sequence[Any]) -> None:
     if len(set(steps.values())) != 1:
         raise ValueError(f"the sharded states were saved at different steps (rank: steps {steps}): a stale "
                          "shard; load every rank's shard of the same checkpoint")
+
+
+def merge_shards(states: Sequence[Any], shapes: Sequence[Any]) -> dict[str, Any]:
+    """A torch optimizer's state dict (``state``, ``param_groups``) from every rank's
+    ``state_dict(sharded=True)`` of one checkpoint (any world size): what a replicated optimizer loads.
+
+    Args:
+        states: every rank's sharded state, any order, without distopt's own ``"distopt"`` key.
+        shapes: each parameter's shape, numbered as the optimizer's groups list them.
+
+    Raises:
+        ValueError: not one checkpoint's every rank once (:func:`check_shards`).
+    """
+    check_shards([s["distopt_shard"] for s in states])
+    full = consolidate([s["distopt_shard"]["pieces"] for s in states], shapes)
+    return {"state": full, "param_groups": states[0]["param_groups"]}
 
 
 class ShardedState:

@@ -91,9 +91,17 @@ class StepState:
             ValueError: ``state`` is neither, or was written by an older
                 distopt for an array optimizer (its format is named).
         """
-        if isinstance(state, (list, tuple)) and self.sharding is not None:  # every rank's shard
+        if isinstance(state, Mapping) and "distopt_shard" in state and self.sharding is None:
+            state = [state]  # one rank's shard: a whole checkpoint only if it was saved at world size 1
+        if isinstance(state, (list, tuple)) and self._torch_layout():  # every rank's shard
             states = [from_portable(s) for s in state]
-            self.sharding.load_state_dict([{k: v for k, v in s.items() if k != "distopt"} for s in states])
+            shards = [{k: v for k, v in s.items() if k != "distopt"} for s in states]
+            if self.sharding is not None:
+                self.sharding.load_state_dict(shards)
+            else:  # into a replicated optimizer: the shards merged
+                from ..sharding.torch_state import merge_shards
+
+                self.local.load_state_dict(merge_shards(shards, [tuple(p.shape) for p in self.local.params()]))
             extras = states[0].get("distopt")
         else:
             extras = self._load_local(from_portable(state))
@@ -106,6 +114,10 @@ class StepState:
 
     def _load_local(self, state: Mapping[str, Any]) -> Any:
         """Load the local optimizer's part of ``state``; return distopt's own part (None: a plain torch state)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state is a {type(state).__name__}; a list of every rank's state_dict(sharded=True) "
+                             "loads only into a DistOpt over a PyTorch optimizer, and this one's is "
+                             f"{type(self.local).__name__}: load its state_dict()")
         if self._torch_layout() and "param_groups" in state:
             local = {k: v for k, v in state.items() if k != "distopt"}
             if self.sharding is not None:

@@ -147,6 +147,9 @@ def test_checkpoint_saved_at_two_resumes_at_one_two_and_three(backend):
         for how, blob, blobs in (("consolidated", first[0]["full"], None), ("sharded", None, shards)):
             got = run_case(backend, world, cases.case_resume, 1, blob, blobs, 2)
             _same([r["params"] for r in ref], [g["params"] for g in got], world, f"{how} W=2 -> W={world}")
+        for zero in (0, 2, 3):  # the list of shards loads into any stage
+            got = run_case(backend, world, cases.case_resume, zero, None, shards, 2)
+            _same([r["params"] for r in ref], [g["params"] for g in got], world, f"shards -> zero={zero} W={world}")
 
 
 @pytest.mark.unit

@@ -7,53 +7,10 @@ from ..comm.consensus import agree, gather_objects
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..torch.adapter import TorchOptimizer
 from ..torch.sink import GradientSink
-from .torch_step import ShardedTorchStep, check_elementwise, consolidate
+from .shard_state import check_shards, consolidate
+from .torch_step import ShardedTorchStep, check_elementwise
 
-__all__ = ["ShardedState", "torch_sharding", "check_shards", "merge_shards"]
-
-
-def check_shards(shards: Sequence[Any]) -> None:
-    """Refuse a list of sharded states that is not one checkpoint's every rank, each once.
-
-    Args:
-        shards: the ``"distopt_shard"`` entries (``world_size``, ``rank``, ``steps``, ``pieces``).
-
-    Raises:
-        ValueError: the entries disagree on the world size or the step they
-            were saved at (a stale shard), a rank's shard is missing, or one
-            appears twice; the message names the ranks and values.
-    """
-    sizes = sorted({s["world_size"] for s in shards})
-    if len(sizes) != 1:
-        raise ValueError("the sharded states were saved at different world sizes "
-                         f"({[s['world_size'] for s in shards]}, in list order): load one checkpoint's shards")
-    ranks = [s["rank"] for s in shards]
-    twice = sorted({r for r in ranks if ranks.count(r) > 1})
-    missing = sorted(set(range(sizes[0])) - set(ranks))
-    if twice or missing:
-        raise ValueError(f"a checkpoint saved at world size {sizes[0]} needs each rank's sharded state once, in "
-                         f"any order; got ranks {ranks}" + (f": rank(s) {twice} twice" if twice else "")
-                         + (f": rank(s) {missing} missing" if missing else ""))
-    steps = {s["rank"]: s.get("steps") for s in shards}
-    if len(set(steps.values())) != 1:
-        raise ValueError(f"the sharded states were saved at different steps (rank: steps {steps}): a stale "
-                         "shard; load every rank's shard of the same checkpoint")
-
-
-def merge_shards(states: Sequence[Any], shapes: Sequence[Any]) -> dict[str, Any]:
-    """A torch optimizer's state dict (``state``, ``param_groups``) from every rank's
-    ``state_dict(sharded=True)`` of one checkpoint (any world size): what a replicated optimizer loads.
-
-    Args:
-        states: every rank's sharded state, any order, without distopt's own ``"distopt"`` key.
-        shapes: each parameter's shape, numbered as the optimizer's groups list them.
-
-    Raises:
-        ValueError: not one checkpoint's every rank once (:func:`check_shards`).
-    """
-    check_shards([s["distopt_shard"] for s in states])
-    full = consolidate([s["distopt_shard"]["pieces"] for s in states], shapes)
-    return {"state": full, "param_groups": states[0]["param_groups"]}
+__all__ = ["ShardedState", "torch_sharding"]
 
 
 class ShardedState:

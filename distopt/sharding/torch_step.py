@@ -42,9 +42,10 @@ from ..torch.sink import GradientSink
 from .clip import ShardedClip
 from .gather import ParamGather
 from .plan import ShardPlan
+from .shard_state import consolidate
 from .sync import PieceUpdate, ShardedStep
 
-__all__ = ["ShardedTorchStep", "check_elementwise", "consolidate", "sharded_grad",
+__all__ = ["ShardedTorchStep", "check_elementwise", "sharded_grad",
            "is_sharded_grad", "ELEMENTWISE"]
 
 #: torch.optim classes whose update is elementwise (each element's new value depends on that element only).
@@ -392,31 +393,3 @@ class ShardedTorchStep(GradientSink):
                         for k, v in entry.items()}
             done += 1
         return done
-
-
-def consolidate(entries: Sequence[Sequence[tuple[int, int, int, Any]]], shapes: Sequence[Any]) -> dict[int, dict]:
-    """Per-parameter state in torch's layout from every rank's :meth:`ShardedTorchStep.pieces`.
-
-    Tensors of a piece's size are placed at its elements of a tensor of the
-    parameter's shape; other values (``step``) are taken from the first piece.
-    """
-    import torch
-
-    full: dict[int, dict[str, Any]] = {}
-    for rank_pieces in entries:
-        for number, start, stop, state in rank_pieces:
-            if not state:  # no update yet
-                continue
-            entry = full.setdefault(number, {})
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == stop - start:
-                    if k not in entry:
-                        entry[k] = torch.zeros(int(np.prod(shapes[number])), dtype=v.dtype)
-                    entry[k][start:stop] = v
-                elif k not in entry:
-                    entry[k] = v
-    for number, entry in full.items():
-        for k, v in entry.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == int(np.prod(shapes[number])):
-                entry[k] = v.reshape(shapes[number])
-    return full

@@ -25,9 +25,13 @@ def _describe(spec: Sequence[Any]) -> str:
     return f"shape {tuple(spec[0])} dtype {spec[1]}"
 
 
-def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
+def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str, Any],
+               names: Sequence[str] | None = None) -> None:
     """Compare parameter shapes/dtypes and ``settings`` across ranks (collective: one all-gather of one
     digest per rank, and every rank's description only when they differ; :func:`~distopt.comm.consensus.agree`).
+
+    ``names``: each parameter's name (its module path), shown beside its
+    number in the error; None: numbers only.
 
     Raises:
         CollectiveMismatchError: on every rank, naming the first differing
@@ -36,7 +40,9 @@ def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str,
     """
     first = sorted(settings, key=lambda k: (k != "strategy", k))  # the strategy's name before its settings
     fields: dict[str, Any] = {f"setting {k!r}": settings[k] for k in first}
-    fields.update({f"parameter #{i}": _describe((list(p.shape), str(p.dtype))) for i, p in enumerate(params)})
+    named = names is not None and len(names) == len(params)
+    fields.update({f"parameter #{i}": (f"{names[i]!r} " if named else "")  # type: ignore[index]
+                   + _describe((list(p.shape), str(p.dtype))) for i, p in enumerate(params)})
     show = {name: repr for name in fields if name.startswith("setting ")}
     agree(comm, fields, call="settings and parameters", error=CollectiveMismatchError, show=show,
           hint="every rank must build the same model, pass its parameters in the same order, and call the "

@@ -110,14 +110,16 @@ class Engine:
         self.adopted: tuple[Any, ...] | None = None  # a shadow step's settings of the stepping ranks
 
     # ------------------------------------------------- parameters and layout
-    def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any]) -> None:
-        """Check that all ranks hold the same parameters and ``settings``, then take rank 0's values.
+    def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any],
+                         names: Sequence[str] | None = None) -> None:
+        """Check that all ranks hold the same parameters and ``settings``, then take rank 0's values
+        (``names``: the parameters' names, for the error).
 
         Raises:
             CollectiveMismatchError: on every rank, naming the first difference.
         """
         params = list(params)
-        check_same(self.comm, params, settings)
+        check_same(self.comm, params, settings, names)
         for bucket in plan_buckets([(p.shape, p.dtype) for p in params], DEFAULT_THRESHOLD, self.buff_size):
             flat, viewed = pack(bucket, params)
             self.comm.broadcast(flat, root=0)
@@ -146,7 +148,7 @@ class Engine:
 
     def _agree(self, strategy: GradientStrategy, params: list[Any], threshold: int, joined: bool,
                grads: Sequence[Any] | None, groups: GroupSettings | None,
-               shadow: bool = False) -> tuple[_Layout, Outcome | None]:
+               shadow: bool = False, names: Sequence[str] | None = None) -> tuple[_Layout, Outcome | None]:
         """The step header (see the module docs); returns the layout for this step, and the step's
         outcome when the header settled it."""
         reverse = strategy.supports_overlap
@@ -171,14 +173,15 @@ class Engine:
         self.counters.control_collectives += 1
         stepping = everyone[everyone[:, 7] == 0, 6]  # a shadow step's own optimizer settings are not compared
         if (everyone[:, :2] != everyone[0, :2]).any() or (stepping != stepping[:1]).any():
-            check_same(self.comm, params, {**full, **(groups.values if groups is not None and not shadow else {})})
+            check_same(self.comm, params, {**full, **(groups.values if groups is not None and not shadow else {})},
+                       names)
             raise CollectiveMismatchError("parameters or settings differ across ranks (digests differ)")
         self.adopted = shadow_settings(self.comm, everyone[:, 6], everyone[:, 7], groups, shadow)
         if everyone[:, 3].any() and not strategy.supports_join:
             raise ValueError(f"join() supports strategies with supports_join (plain, half), not {strategy.name!r}: "
                              f"rank(s) {np.flatnonzero(everyone[:, 3]).tolist()} are inside join()")
         if everyone[:, 2].any():
-            self.broadcast_params(params, full)
+            self.broadcast_params(params, full, names)
         slot = (threshold, reverse, strategy.reduces)
         if slot not in self._layouts:
             floats = self.float_buckets(strategy, params, threshold)
@@ -196,7 +199,7 @@ class Engine:
     def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None,
               joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
               bucket_view: bool = False, groups: GroupSettings | None = None,
-              shadow: bool = False) -> BucketPipeline:
+              shadow: bool = False, names: Sequence[str] | None = None) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
         ``threshold``: elements above which a parameter is a bucket of its
@@ -212,6 +215,7 @@ class Engine:
         ranks in the same header.
         ``shadow``: a joined rank's shadow step: its ``groups`` are not
         compared; :attr:`adopted` holds the stepping ranks' where they differ.
+        ``names``: the parameters' names (module paths), for the errors.
 
         Raises:
             CollectiveMismatchError: parameters or settings (the optimizer's
@@ -221,7 +225,7 @@ class Engine:
         params = list(params)
         threshold = strategy.threshold(threshold)
         with self.context("parameter check"):
-            layout, settled = self._agree(strategy, params, threshold, joined, grads, groups, shadow)
+            layout, settled = self._agree(strategy, params, threshold, joined, grads, groups, shadow, names)
         self.layout = layout
         buffers = self.sync.buffers(layout.buffers)
         sync = self.sync.begin(self.launch, layout.shards, layout.buckets, buffers, self.comm, self.context,

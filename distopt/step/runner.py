@@ -110,7 +110,7 @@ class StepRunner:
     # ------------------------------------------------- the step, in parts
     def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, *,
               views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False,
-              shadow: bool = False) -> BucketPipeline:
+              shadow: bool = False, names: Sequence[str] | None = None) -> BucketPipeline:
         """Agree on the step with the other ranks and return the bucket pipeline of ``strategy``'s gradient
         slot (collective; a parameter averager's has no buckets).
 
@@ -118,7 +118,7 @@ class StepRunner:
         """
         self._prepare(strategy)
         return self.engine.begin(slots(strategy).gradients, params, threshold, self.joining, views, grads,
-                                 bucket_view, self._groups, shadow)
+                                 bucket_view, self._groups, shadow, names)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
         """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective).

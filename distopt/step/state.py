@@ -98,10 +98,8 @@ class StepState:
             shards = [{k: v for k, v in s.items() if k != "distopt"} for s in states]
             if self.sharding is not None:
                 self.sharding.load_state_dict(shards)
-            else:  # into a replicated optimizer: the shards merged
-                from ..sharding.torch_state import merge_shards
-
-                self.local.load_state_dict(merge_shards(shards, [tuple(p.shape) for p in self.local.params()]))
+            else:  # a replicated torch optimizer merges them
+                self.local.load_state_dict(shards)
             extras = states[0].get("distopt")
         else:
             extras = self._load_local(from_portable(state))

@@ -249,4 +249,10 @@ class TorchOptimizer(LocalOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: Any) -> None:
+        """The inner optimizer's ``load_state_dict``; a list of every rank's sharded states
+        (``DistOpt(zero=1|2|3).state_dict(sharded=True)``, any world size) is merged first."""
+        if isinstance(state, (list, tuple)):
+            from ..sharding.shard_state import merge_shards
+
+            state = merge_shards(state, [tuple(p.shape) for p in self.params()])
         self.optimizer.load_state_dict(state)

@@ -17,9 +17,9 @@ yet averaged (``no_sync``, ``backward_passes_per_step``) and hand the step
 to the runner (:meth:`~distopt.step.runner.StepRunner.finish_step`: it
 counts the step and runs a parameter averager's after-update).
 
-This is PyTorch's one route (hook -> follower -> runner -> engine -> pipeline
--> strategy -> comm), ``backward_and_update``, SINGA's methods and
-``join()``'s shadow steps included. On CUDA it runs on torch's current stream.
+This is PyTorch's one route (hook -> follower -> runner -> engine -> pipeline -> strategy -> comm),
+``backward_and_update``, SINGA's methods and ``join()``'s shadow steps included; on CUDA on torch's
+current stream. With ``model=``, errors name parameters by module path.
 
 Rules:
 
@@ -37,22 +37,17 @@ Rules:
   ``unscale_`` finds the inf, skips the step and halves the scale alike
   everywhere; the following ``step()`` changes nothing (its pre-hook sets
   these gradients to None first), nor does ``zero_grad()`` keep them.
-* A backward that raises leaves its started reductions in buffers the
-  pipeline owns (never in ``.grad``); they are completed and dropped
-  before the next reduction, on every rank. With
-  ``gradient_as_bucket_view`` those buffers ARE the ``.grad`` memory: the
-  started reductions write the sum of the ranks' partial gradients there
-  when they complete (at the next ``DistOpt.zero_grad()``, ``step()`` or
-  backward, whichever comes first); ``DistOpt.zero_grad()`` completes them
-  before it zeroes or drops the gradients, so the next step is right.
+* A backward that raises leaves its started reductions in buffers the pipeline owns (never in
+  ``.grad``); they are completed and dropped before the next reduction, on every rank. With
+  ``gradient_as_bucket_view`` those buffers ARE the ``.grad`` memory: the started reductions write the
+  sum of the ranks' partial gradients there when they complete (at the next ``DistOpt.zero_grad()``,
+  ``step()`` or backward); ``DistOpt.zero_grad()`` completes them before it zeroes or drops them.
 * ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
 * Sparse gradients (``nn.Embedding(sparse=True)``) are averaged as sparse after the buckets, in the
   same reduction (:mod:`distopt.torch.sparse`); ``sparse_as_dense=True`` densifies them.
-* Activation checkpointing: a reentrant checkpoint runs its block's
-  backward as a nested backward (a parameter of a block used twice gets two
-  gradient hooks); gradients from a nested backward are not handed to the
-  pipeline early but packed when the outer backward ends, so every use is
-  summed, and a step still makes one reduction.
+* Activation checkpointing: a reentrant checkpoint runs its block's backward as a nested backward (a
+  parameter of a block used twice gets two gradient hooks); gradients from a nested backward are packed
+  when the outer backward ends, so every use is summed, and a step still makes one reduction.
 * Several DistOpts over overlapping parameters (a GAN, a second optimizer
   over a subset): each tensor is averaged by the first follower built over
   it; the others leave its gradient alone and step it with that average.
@@ -129,8 +124,10 @@ class Follower:
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
         self.not_finite = NotFiniteGrads()
-        check_sharing(local.params(), self, lambda indices: [f"#{i} {tuple(local.params()[i].shape)}"
-                                                               for i in indices])
+        self._names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
+        own = local.params()
+        check_sharing(own, self, lambda ix: [f"{self._names.get(id(own[i]), f'#{i}')} {tuple(own[i].shape)}"
+                                             for i in ix])
         local.handles.append(local.optimizer.register_step_pre_hook(self._pre_step))
         local.handles.append(local.optimizer.register_step_post_hook(self._post_step))
         local.hook(local.params(), self.on_grad)
@@ -253,10 +250,13 @@ class Follower:
         grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
         pipeline = self.runner.begin(strategy, self.sink.arrays(self._tensors), threshold,
                                      views=False, bucket_view=self.views is not None, grads=grads,
-                                     shadow=bool(shadow))
+                                     shadow=bool(shadow), names=self._step_names())
         if self.views is not None:
             self.views.bind(pipeline, self._tensors)
         return pipeline
+
+    def _step_names(self) -> list[str] | None:
+        return [self._names.get(id(t), "?") for t in self._tensors] if self._names else None
 
     def _threshold(self, strategy: Strategy, asked: int | None) -> int | None:
         """The step's threshold: a dense strategy's default (``VIEW_THRESHOLD``) fuses up to ``buffSize``."""

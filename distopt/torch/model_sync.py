@@ -175,7 +175,7 @@ class ModelSync:
         names, arrays = named_state(model)
         check_names(comm, names, "model parameter or buffer")
         check_names(comm, parameter_names(model, local.params()), "optimizer parameter")
-        engine.broadcast_params(arrays, settings)
+        engine.broadcast_params(arrays, settings, names)
         in_model = {id(p) for p in model.parameters()}
         outside = [as_array(p) for p in local.params() if id(p) not in in_model]
         if outside:

@@ -30,16 +30,13 @@ import numpy as np
 
 from ..core._array import xp_of
 from ..core.buckets import Bucket
-from ..errors import CollectiveMismatchError
 from ..torch.adapter import as_array
+from . import frame
 from .plan import ShardPlan
 
 __all__ = ["ParamShards", "raw_array"]
 
 _FREE, _PENDING, _FULL = 0, 1, 2
-_PHASES = ("forward", "backward", "summon_full_params/state_dict")
-_KINDS = ("starting", "announcing")
-_CHECK_WORDS = 6  # int64 words of one rank's gather check
 
 
 def raw_array(tensor: Any, dtype: Any) -> Any:
@@ -275,33 +272,28 @@ class ParamShards:
         self._state[b] = _FREE
 
     def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:
-        """A gather check's words (``_CHECK_WORDS`` int64): a start or an announcement, the pass, the module
-        and a digest of the buckets, in this rank's slot of a new ``(size * _CHECK_WORDS,)`` array, started
-        gathering (the same collective whether it is waited at once or at the next gather)."""
-        size, rank = self.comm.size, self.comm.rank
-        words = np.zeros(size * _CHECK_WORDS, dtype=np.int64)
-        words[rank * _CHECK_WORDS:(rank + 1) * _CHECK_WORDS] = (
-            kind, phase, where, len(buckets), min(buckets), sum((b + 1) * (b + 7) for b in buckets))
-        with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
-            return self._launch.gather(words, [_CHECK_WORDS] * size)
+        """Start a gather check: this rank's frame (:mod:`~distopt.sharding.frame`: a start or an
+        announcement, the pass, the module and a digest of the buckets) gathered from every rank (the same
+        collective whether it is waited at once or at the next gather, and as the step header's)."""
+        payload = (phase, where, len(buckets), min(buckets), sum((b + 1) * (b + 7) for b in buckets))
+        with self._context(f"zero=3 gather check, {frame.PHASES[phase]}"):  # type: ignore[misc]
+            return frame.exchange(self._launch, self.comm.size, self.comm.rank, kind, payload)
 
     def _verify(self, handle: Any, phase: int) -> None:
-        """Wait for a gather check and compare every rank's words.
+        """Wait for a gather check and compare every rank's frame.
 
         Raises:
-            CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets.
+            CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets, or the step
+                header a rank reached instead.
         """
-        with self._context(f"zero=3 gather check, {_PHASES[phase]}"):  # type: ignore[misc]
-            everyone = np.asarray(handle.wait()).reshape(self.comm.size, _CHECK_WORDS)
-        if (everyone == everyone[0]).all():
-            return
-        names = dict(enumerate(n or "the model" for n in self.names))
-        seen = "; ".join(f"rank {r}: {_PHASES[int(row[1])]} of module {names.get(int(row[2]), 'none')!r}, "
-                         f"{_KINDS[int(row[0])]} {int(row[3])} bucket(s) from {int(row[4])}"
-                         for r, row in enumerate(everyone))
-        raise CollectiveMismatchError(f"zero=3: the ranks gather different parameters ({seen}): a module's "
-                                      "forward or backward ran on some ranks only; every rank must run the same "
-                                      "modules in the same order")
+        with self._context(f"zero=3 gather check, {frame.PHASES[phase]}"):  # type: ignore[misc]
+            everyone = frame.rows(handle.wait(), self.comm.size)
+        if not (everyone == everyone[0]).all():
+            raise frame.mismatch(everyone, self.module_names)
+
+    def module_names(self) -> dict[int, str]:
+        """Module position -> name, as the gather checks number the modules."""
+        return dict(enumerate(n or "the model" for n in self.names))
 
     def _start_announced(self) -> None:
         """Verify the gathers the last :meth:`gather` announced and start them (every rank announced the same
@@ -339,12 +331,12 @@ class ParamShards:
         self._start_announced()
         starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] == _FREE]
         if starting:
-            self._verify(self._words(0, phase, where, starting), phase)
+            self._verify(self._words(frame.STARTING, phase, where, starting), phase)
             for b in starting:
                 self._start(b)
         coming = [b for b in dict.fromkeys(later) if self._state[b] == _FREE]
         if coming:
-            self._announced = (self._words(1, phase, where, coming), phase, coming)
+            self._announced = (self._words(frame.ANNOUNCING, phase, where, coming), phase, coming)
         for b in need:
             self._finish(b)
 

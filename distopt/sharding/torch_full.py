@@ -62,6 +62,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
         self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context,
                          engine.launch)
         engine.known(self.arrays(tensors))
+        engine.frame_names = self.store.module_names  # the step header meets the gathers' checks
         self.hooks = ModuleHooks(self.store, self.reshard)
         self.local.handles.extend(self.hooks.hook(self.model))
         self.local.held_param_bytes = self.store.held_bytes

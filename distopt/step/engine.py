@@ -41,7 +41,7 @@ step number and where it happened (bucket i of n).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from ..comm.base import Communicator
 from ..core.buckets import DEFAULT_THRESHOLD, Bucket, is_float, pack, plan_buckets, unpack
 from ..core.counters import Counters
 from ..errors import CollectiveMismatchError
+from ..sharding import frame
 from ..sharding.plan import ShardPlan
 from ..sharding.sync import BucketSync
 from ..strategies.base import GradientStrategy
@@ -108,6 +109,9 @@ class Engine:
         self._specs_digest: tuple[Any, int] = (None, 0)
         self._layouts: dict[tuple[int, bool, bool], _Layout] = {}
         self.adopted: tuple[Any, ...] | None = None  # a shadow step's settings of the stepping ranks
+        #: zero=3: the header travels in the parameter gathers' check frame (:mod:`~distopt.sharding.frame`);
+        #: module position -> name, for its error. None: a plain all-gather.
+        self.frame_names: Callable[[], Mapping[int, str]] | None = None
 
     # ------------------------------------------------- parameters and layout
     def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any],
@@ -169,7 +173,14 @@ class Engine:
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
                            unsettled, int(bad), 0 if groups is None else groups.digest, int(shadow)],
                           dtype=np.int64)
-        everyone = self.launch.call(self.comm.all_gather, header)  # after what its worker thread holds (zero=3)
+        if self.frame_names is None:
+            everyone = self.launch.call(self.comm.all_gather, header)  # after what its worker thread holds
+        else:  # zero=3: the gather checks' frame, so a rank in a module's gather meets this at once
+            everyone = frame.rows(frame.exchange(self.launch, self.comm.size, self.comm.rank, frame.HEADER,
+                                                 header).wait(), self.comm.size)
+            if (everyone[:, 0] != frame.HEADER).any():
+                raise frame.mismatch(everyone, self.frame_names)
+            everyone = everyone[:, 1:]
         self.counters.control_collectives += 1
         stepping = everyone[everyone[:, 7] == 0, 6]  # a shadow step's own optimizer settings are not compared
         if (everyone[:, :2] != everyone[0, :2]).any() or (stepping != stepping[:1]).any():

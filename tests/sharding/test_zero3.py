@@ -187,6 +187,19 @@ def test_zero3_module_run_on_one_rank_only_raises_on_every_rank(backend):
 
 
 @pytest.mark.parametrize("backend", tiered(["sim", "mpi", "shm", "torch"]))
+@pytest.mark.parametrize("counts", [(3, 1), (1, 0)])
+def test_zero3_uneven_no_grad_forwards_raise_at_once_on_every_rank(backend, counts):
+    """Generation on one rank: its no-grad forward's gather meets the other's backward gather, or its step
+    header (the same check frame), and every rank raises naming both, long before the communicator's
+    timeout (20 s in the pools) would end a wait."""
+    for rank, got in enumerate(run_case(backend, 2, cases3.case_uneven_no_grad_forwards, counts, timeout=60)):
+        m = got["error"]
+        assert m.startswith("CollectiveMismatchError") and "rank 0: forward of module '0'" in m, (rank, m)
+        assert ("rank 1: the step's parameter check" if counts == (1, 0) else "rank 1: backward of module") in m, m
+        assert got["seconds"] < 10, (rank, got)
+
+
+@pytest.mark.parametrize("backend", tiered(["sim", "mpi", "shm", "torch"]))
 def test_zero3_layer_skipped_on_one_rank_inside_forward_raises_on_every_rank(backend):
     messages = run_case(backend, 2, cases3.case_one_rank_skips_a_layer, timeout=60)
     for m in messages:

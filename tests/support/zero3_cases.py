@@ -313,3 +313,27 @@ def case_gpt_train(rank: int, comm: Any, zero: int, optimizer: str, start: bytes
     return {"params": _params(model, opt),
             "full": _dump({**opt.state_dict(), "distopt_model": model.state_dict()}),
             "shard": _dump({**opt.state_dict(sharded=True), "distopt_model": model.state_dict()}) if zero else None}
+
+
+def case_uneven_no_grad_forwards(rank: int, comm: Any, counts: tuple[int, int]) -> dict[str, Any]:
+    """Rank r runs ``counts[r]`` no-grad forwards of the whole model (generation on one rank), then every
+    rank trains one step: returns the error and the seconds until it was raised."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=3, buffSize=40, model=model)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            for _ in range(counts[rank]):
+                model(_batch(rank, 0))
+        opt.zero_grad()
+        model(_batch(rank, 1)).pow(2).mean().backward()
+        opt.step()
+        error = "no error"
+    except (distopt.CollectiveMismatchError, distopt.CollectiveTimeoutError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}

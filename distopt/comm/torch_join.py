@@ -2,7 +2,8 @@
 
 With no default process group yet, :func:`join` initialises one with
 ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
-``torchrun`` sets them) and the communicator owns it. When the script has
+``torchrun`` sets them) and the communicator owns it; its keys in the store
+are prefixed per initialisation (see :data:`_GROUPS`). When the script has
 initialised one already, it makes a new group of all its ranks instead, so
 distopt's traffic never interleaves with the caller's. With CUDA the group
 is ``"cpu:gloo,cuda:nccl"`` (torch routes each tensor by its device), else
@@ -20,6 +21,11 @@ import torch.distributed as dist
 from ..errors import DistOptError
 
 __all__ = ["join"]
+
+#: Default groups this process has initialised: each one's keys in the job's store get their own prefix, so
+#: a DistOpt made after ``close()`` of another (torch resets its group count on destroy) never reads the
+#: first group's stale addresses (gloo's "connectFullMesh failed").
+_GROUPS = [0]
 
 
 def join(rank: int | None, size: int | None, timeout: float, device: int | None) -> tuple[Any, str, bool]:
@@ -57,8 +63,11 @@ def join(rank: int | None, size: int | None, timeout: float, device: int | None)
         kwargs["rank"] = int(rank)
     if size is not None:
         kwargs["world_size"] = int(size)
+    _GROUPS[0] += 1
     try:
-        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout, **kwargs)
+        store, rank, size = next(dist.rendezvous("env://", timeout=pg_timeout, **kwargs))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"distopt/{_GROUPS[0]}", store), rank=rank,
+                                world_size=size, timeout=pg_timeout)
     except (RuntimeError, ValueError) as exc:
         raise DistOptError(f"torch.distributed rendezvous at {os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']} failed: {exc}") from exc

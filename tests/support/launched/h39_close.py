@@ -1,6 +1,8 @@
 """H39 on one rank of any launcher: one step, close() twice, then a step, a metric reduction and an
 object broadcast must each raise CommunicatorClosedError naming the communicator, within a second.
 
+Then a new DistOpt (three in turn, each closed) works under the same launcher: its step averages.
+
 Prints ``H39 <rank> <backend> ok`` when every check passed.
 """
 import sys
@@ -27,4 +29,11 @@ for name, call in [("step", lambda: opt.step([w], [np.ones(4, np.float32)])),
         assert time.monotonic() - start < 1.0, f"{name}: {time.monotonic() - start:.2f} s"
     else:
         sys.exit(f"{name} after close did not raise")
+for again in range(3):
+    second = distopt.DistOpt(distopt.SGD(lr=1.0), abort_on_exception=False)
+    v = np.zeros(4, np.float32)
+    second.step([v], [np.full(4, float(second.global_rank), np.float32)])
+    size = second.world_size
+    assert np.array_equal(v, np.full(4, -(size - 1) / 2, np.float32)), (again, v)
+    second.close()
 print(f"H39 {opt.global_rank} {opt.comm.name} ok", flush=True)

@@ -57,46 +57,23 @@ def raw_array(tensor: Any, dtype: Any) -> Any:
 _METADATA = frozenset({"numel", "size", "dim", "element_size", "nelement", "is_contiguous", "is_floating_point",
                        "is_complex", "stride", "data_ptr", "untyped_storage", "get_device", "detach", "__hash__",
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
+#: Functions that only allocate a tensor like a freed parameter (its shape, dtype and device, never its
+#: values): they work, as torch.distributed.checkpoint's optimizer-state initialisation needs.
+_ALLOCATING = frozenset({"zeros_like", "empty_like", "ones_like", "full_like", "new_zeros", "new_empty",
+                         "new_ones", "new_full"})
 _FREED: dict[type, type] = {}  # a parameter class -> its freed subclass
-_NOT_SHAPE = object()
-
-
-def _whole_metadata(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> Any:
-    """What a freed parameter answers for its shape (``shape``, ``ndim``, ``size()``, ``dim()``,
-    ``numel()``, ``nelement()``): the whole parameter's, as FSDP2's DTensor parameters report the global
-    shape; ``_NOT_SHAPE`` for any other call."""
-    import torch
-
-    owner = getattr(func, "__self__", None)
-    if not args or not hasattr(args[0], "_zero3_shape"):
-        return _NOT_SHAPE
-    shape = torch.Size(args[0]._zero3_shape)
-    if name == "__get__" and owner is torch.Tensor.shape:
-        return shape
-    if name == "__get__" and owner is torch.Tensor.ndim:
-        return len(shape)
-    if name == "size":
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        return shape if dim is None else shape[dim]
-    if name == "dim":
-        return len(shape)
-    if name in ("numel", "nelement"):
-        return shape.numel()
-    return _NOT_SHAPE
 
 
 def _freed_class(kind: type) -> type:
-    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata and ``.data`` work,
-    any computation raises a RuntimeError naming it (instead of a shape error on a 0-element tensor)."""
+    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata (its whole shape: its
+    data is one element expanded to it), ``.data`` and allocations like it work; any computation raises a
+    RuntimeError naming it (instead of reading the one element)."""
     if kind not in _FREED:
         import torch
 
         def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name = getattr(func, "__name__", "")
-            whole = _whole_metadata(func, name, args, kwargs or {})
-            if whole is not _NOT_SHAPE:
-                return whole
-            if name in ("__get__", "__set__", "__delete__") or name in _METADATA:
+            if name in ("__get__", "__set__", "__delete__") or name in _METADATA or name in _ALLOCATING:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
             freed = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, cls)), None)
@@ -140,7 +117,7 @@ class ParamShards:
         self._context: Callable[[str], Any] | None = None
         self._launch: Any = None
         self._full: list[list[Any]] = []  # per bucket: its parameters' views into the flat buffer
-        self._empty: list[Any] = []  # per parameter: its 0-element tensor at rest
+        self._empty: list[Any] = []  # per parameter: its data at rest (one element, expanded to its shape)
         self._kinds: list[type] = []  # per parameter: its own class (a freed one takes a subclass)
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = 0
@@ -181,7 +158,7 @@ class ParamShards:
             self._gathered += flat.nbytes
             self._full.append([flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots])
             self._views(b)
-        self._empty = [torch.empty(0, dtype=t.dtype, device=t.device) for t in self.tensors]
+        self._empty = [torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape) for t in self.tensors]
         self._kinds = [type(t) for t in self.tensors]
         self._segment_arrays = [as_array(seg) for seg in self.segments]
         self.free_all()
@@ -261,7 +238,6 @@ class ParamShards:
             t = self.tensors[s.index]
             t.data = self._empty[s.index]
             t.__class__ = _freed_class(self._kinds[s.index])
-            t._zero3_shape = self.shapes[id(t)]
         flat = self._flats[b]
         if flat.untyped_storage().resizable():
             flat.untyped_storage().resize_(0)

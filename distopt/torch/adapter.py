@@ -146,13 +146,13 @@ def _bfloat16() -> Any:
 
 
 def tensor_bytes(t: Any) -> int:
-    """BYTES a tensor holds: a dense one's ``nbytes``; a sparse COO one's indices and values (SGD's momentum
+    """BYTES a tensor holds: a dense one's ``nbytes`` (at most its storage's); a sparse COO one's indices and values (SGD's momentum
     buffer of a sparse gradient is sparse, and ``nbytes`` raises for it); a compressed one's index and value
     tensors."""
     import torch
 
-    if t.layout == torch.strided:
-        return int(t.nbytes)
+    if t.layout == torch.strided:  # a view holds at most its storage (zero=3's freed parameter: one element)
+        return min(int(t.nbytes), int(t.untyped_storage().nbytes()))
     if t.is_sparse:
         return int(t._indices().nbytes + t._values().nbytes)
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):

@@ -38,7 +38,7 @@ def case_memory(rank: int, comm: Any, zero: int, steps: int = 3) -> dict[str, An
         held.append(_held(opt))
     with torch.no_grad():
         model(torch.zeros(2, 8, dtype=torch.long))  # an evaluation: gathered, then freed again
-    own = sum(p.untyped_storage().nbytes() for p in model.parameters())  # numel() answers the whole shape
+    own = sum(p.untyped_storage().nbytes() - p.element_size() for p in model.parameters())  # freed: one element
     bucket = max(b.size for b in opt.engine.layout.buckets) * 4
     elements = sum(b.size for b in opt.engine.layout.buckets)
     return {"held": held, "bucket_bytes": bucket, "elements": elements, "own_after_eval": own,

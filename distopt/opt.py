@@ -221,11 +221,13 @@ class DistOpt(SingaMethods, CollectiveMethods):
                             f"{type(self.opt).__name__} (use step(params, grads) for array models)")
         return self.follower
 
-    def step(self, params: Any = None, grads: Sequence[Any] | None = None, threshold: int | None = None) -> Any:
+    def step(self, params: Any = None, grads: Sequence[Any] | None = None, threshold: int | None = None, *,
+             closure: Any = None) -> Any:
         """Average ``grads`` across ranks with :attr:`strategy`, then update ``params``.
 
-        PyTorch: ``step()`` or ``step(closure)`` is ``optimizer.step(closure)``
-        (``.grad`` was averaged by ``loss.backward()``; returns the closure's loss).
+        PyTorch: ``step()``, ``step(closure)`` or ``step(closure=closure)`` is
+        ``optimizer.step(closure)`` (``.grad`` was averaged by
+        ``loss.backward()``; returns the closure's loss).
 
         Args:
             params: arrays (NumPy or CuPy) in the same order on every rank.
@@ -240,6 +242,8 @@ class DistOpt(SingaMethods, CollectiveMethods):
             CollectiveMismatchError / CollectiveTimeoutError: from the ranks' agreement or a missed deadline,
                 naming the step and bucket; no parameter is changed then.
         """
+        if closure is not None:
+            params = closure
         if grads is None and (params is None or callable(params)):
             return self._torch("step() without params").step(params)
         return self._runner.run(self.strategy, params, grads, threshold)
@@ -333,9 +337,11 @@ class DistOpt(SingaMethods, CollectiveMethods):
         """
         self._state.consolidate_state_dict(to)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; ValueError for another format (an older distopt)."""
-        self._state.load_state_dict(state, self.sampler)
+    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict` output (``state_dict``: torch's argument name), a plain torch optimizer's,
+        or the list of every rank's ``state_dict(sharded=True)``; ValueError for another format (an older
+        distopt)."""
+        self._state.load_state_dict(state_dict, self.sampler)
 
     def close(self) -> None:
         """Wait for the async collectives in flight, then release the communicators and the threads (a second call

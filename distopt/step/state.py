@@ -25,15 +25,35 @@ class ShardedStateLike(Protocol):
 STATE_FORMAT = 2
 
 
+def _split_extras(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A torch-layout state without distopt's own parts, and those parts (None: a plain torch optimizer's
+    state): ``param_groups[0]["distopt"]`` (the replicated part) merged with the top-level ``"distopt"``
+    (``rank_local``; all of it in files of earlier versions)."""
+    groups = list(state["param_groups"])
+    inner = groups[0].get("distopt") if groups else None
+    if inner is not None:
+        groups[0] = {k: v for k, v in groups[0].items() if k != "distopt"}
+    clean = {**{k: v for k, v in state.items() if k != "distopt"}, "param_groups": groups}
+    top = state.get("distopt")
+    if inner is None and top is None:
+        return clean, None
+    extras = {**(inner or {}), **(top or {})}
+    extras.setdefault("rank_local", {})  # torch.distributed.checkpoint keeps only the replicated part
+    return clean, extras
+
+
 class StepState:
     """Saves and restores what a DistOpt needs to continue.
 
     With a PyTorch optimizer the state is in ``torch.optim.Optimizer``'s
-    layout: the inner optimizer's ``state`` and ``param_groups``, plus one
-    key, ``"distopt"``, holding distopt's own (format, counters, strategies,
-    per-rank residuals, sampler). A plain torch optimizer loads it as its
-    own (it ignores the extra key), and :meth:`load_state_dict` takes a
-    plain torch optimizer's state dict too (a single-process or DDP run).
+    layout: the inner optimizer's ``state`` and ``param_groups``; distopt's
+    own state identical on every rank (format, counters, strategies,
+    sampler) is ``param_groups[0]["distopt"]`` (so ``torch.distributed.checkpoint``,
+    which keeps only ``state`` and ``param_groups``, carries it), the
+    per-rank residuals are under one added key, ``"distopt"``
+    (``{"rank_local": ...}``). A plain torch optimizer loads it as its own,
+    and :meth:`load_state_dict` takes a plain torch optimizer's state dict
+    too (a single-process or DDP run).
     With an array optimizer: ``{"format", "local", "stats", "strategies",
     "rank_local"[, "sampler"]}``.
 
@@ -74,7 +94,10 @@ class StepState:
             extras["sampler"] = sampler.state_dict()
         if self._torch_layout():
             local = self.local.state_dict() if self.sharding is None else self.sharding.state_dict(sharded)
-            return to_portable({**local, "distopt": extras})
+            groups = [dict(g) for g in local["param_groups"]]
+            rank_local = extras.pop("rank_local")
+            groups[0]["distopt"] = extras  # identical on every rank: torch.distributed.checkpoint keeps it
+            return to_portable({**local, "param_groups": groups, "distopt": {"rank_local": rank_local}})
         return to_portable({**extras, "local": self.local.state_dict()})
 
     def consolidate_state_dict(self, to: int) -> None:
@@ -94,13 +117,13 @@ class StepState:
         if isinstance(state, Mapping) and "distopt_shard" in state and self.sharding is None:
             state = [state]  # one rank's shard: a whole checkpoint only if it was saved at world size 1
         if isinstance(state, (list, tuple)) and self._torch_layout():  # every rank's shard
-            states = [from_portable(s) for s in state]
-            shards = [{k: v for k, v in s.items() if k != "distopt"} for s in states]
+            split = [_split_extras(from_portable(s)) for s in state]
+            shards = [clean for clean, _ in split]
             if self.sharding is not None:
                 self.sharding.load_state_dict(shards)
             else:  # a replicated torch optimizer merges them
                 self.local.load_state_dict(shards)
-            extras = states[0].get("distopt")
+            extras = split[0][1]
         else:
             extras = self._load_local(from_portable(state))
         if extras is None:
@@ -117,12 +140,12 @@ class StepState:
                              "loads only into a DistOpt over a PyTorch optimizer, and this one's is "
                              f"{type(self.local).__name__}: load its state_dict()")
         if self._torch_layout() and "param_groups" in state:
-            local = {k: v for k, v in state.items() if k != "distopt"}
+            local, extras = _split_extras(state)
             if self.sharding is not None:
                 self.sharding.load_state_dict(local)
             else:
                 self.local.load_state_dict(local)
-            return state.get("distopt")
+            return extras
         if self._torch_layout() and state.get("format") == 2:
             warnings.warn("this optimizer state was written by an older distopt (format 2, the torch optimizer's "
                           "state under 'local'); it is loaded, but save it again to write torch's layout",

@@ -141,8 +141,8 @@ def case_state_dict(rank: int, comm: Any) -> dict[str, Any]:
     opt3.load_state_dict(single_opt.state_dict())  # a single-process (or DDP) run's optimizer state
     out["from_plain"] = opt3.state_dict()["state"][0]["exp_avg"]
     out["single_exp_avg"] = single_opt.state_dict()["state"][0]["exp_avg"]
-    old = {"format": 2, "local": single_opt.state_dict(), **{k: v for k, v in state["distopt"].items()
-                                                              if k != "format"}}
+    ours = {**state["param_groups"][0]["distopt"], **state["distopt"]}  # replicated part, then rank_local
+    old = {"format": 2, "local": single_opt.state_dict(), **{k: v for k, v in ours.items() if k != "format"}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt3.load_state_dict(old)

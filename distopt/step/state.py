@@ -38,7 +38,8 @@ def _split_extras(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     if inner is None and top is None:
         return clean, None
     extras = {**(inner or {}), **(top or {})}
-    extras.setdefault("rank_local", {})  # torch.distributed.checkpoint keeps only the replicated part
+    for section in ("strategies", "rank_local"):  # DCP keeps only the replicated part, and drops empty dicts
+        extras.setdefault(section, {})
     return clean, extras
 
 

@@ -22,8 +22,12 @@ __all__ = ["WORDS", "STARTING", "ANNOUNCING", "HEADER", "PHASES", "exchange", "r
 
 #: int64 words of one rank's frame: its kind, then 8 words of payload.
 WORDS = 9
-#: Kinds (the first word): a gather about to start, a gather announced for the next call, the step header.
-STARTING, ANNOUNCING, HEADER = 0, 1, 2
+#: Kind (the first word) of a gather about to start.
+STARTING = 0
+#: Kind of a gather announced for the next call (started there).
+ANNOUNCING = 1
+#: Kind of the step header.
+HEADER = 2
 #: A gather's phase (its payload's first word).
 PHASES = ("forward", "backward", "summon_full_params/state_dict")
 _KINDS = ("starting", "announcing")

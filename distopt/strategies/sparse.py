@@ -121,14 +121,18 @@ class Sparse(GradientStrategy):
 
     Args:
         density: (default 0.05) with ``select="topk"`` the fraction of each bucket's
-            elements sent, in (0, 1]; with ``select="threshold"`` the
-            magnitude threshold (>= 0): entries with ``|g| >= density``
-            are sent.
+            elements sent, in (0, 1]; with ``select="threshold"`` (the
+            default) NOT a fraction but the absolute magnitude threshold
+            (>= 0): entries with ``|g| >= density`` are sent, however many
+            they are (SINGA's ``spars`` with ``topK=False``).
         select: ``"topk"`` (exactly ``k = max(1, ceil(density * n))``
             entries per rank and bucket of ``n`` elements) or
             ``"threshold"`` (the default).
         error_feedback: (default True) keep what was not sent as a per-bucket residual
             added to the next step's gradient.
+        threshold: the clearer spelling of ``select="threshold"`` with
+            ``density=threshold``: ``Sparse(threshold=1e-3)`` sends the
+            entries with ``|g| >= 1e-3``.
         spars: deprecated name of ``density`` (SINGA's; warns).
         topK: deprecated, warns: True is ``select="topk"``, False
             ``select="threshold"``. A bool passed positionally as
@@ -143,7 +147,8 @@ class Sparse(GradientStrategy):
     Raises:
         ValueError: ``select`` not in :data:`SELECTIONS`, or ``density``
             out of range for it.
-        TypeError: both a name and its deprecated alias given.
+        TypeError: both a name and its deprecated alias given, or
+            ``threshold`` with ``density``/``spars`` or ``select="topk"``.
 
     The exchange runs after the ranks agreed on the step (so a skipped step
     leaves the residuals untouched). Does not support overlap or ``join``.
@@ -155,8 +160,14 @@ class Sparse(GradientStrategy):
     counter_names: ClassVar[tuple[str, ...]] = (ENTRIES, FALLBACKS)
 
     def __init__(self, density: float | None = None, select: str | bool | None = None,
-                 error_feedback: bool | None = None, *, spars: float | None = None, topK: bool | None = None,
-                 corr: bool | None = None) -> None:
+                 error_feedback: bool | None = None, *, threshold: float | None = None,
+                 spars: float | None = None, topK: bool | None = None, corr: bool | None = None) -> None:
+        if threshold is not None:  # the clearer spelling of select="threshold", density=t
+            if density is not None or spars is not None or select not in (None, "threshold"):
+                raise TypeError("Sparse(threshold=t) is select='threshold' with the magnitude threshold t: "
+                                f"pass it without density=/spars= and select= (got density={density!r}, "
+                                f"select={select!r})")
+            density, select = threshold, "threshold"
         density = _renamed("density", density, "spars", spars)
         error_feedback = _renamed("error_feedback", error_feedback, "corr", corr)
         select = _renamed("select", select, "topK", topK)

@@ -68,6 +68,16 @@ def test_sparse_settings_are_validated_at_construction():
     assert Sparse().settings() == {"density": 0.05, "select": "threshold", "error_feedback": True}
 
 
+def test_threshold_spells_the_absolute_threshold_of_select_threshold():
+    assert Sparse(threshold=1e-3) == Sparse(density=1e-3, select="threshold")
+    assert Sparse(threshold=0.5, select="threshold").settings()["density"] == 0.5
+    for bad in ({"density": 0.1}, {"select": "topk"}, {"spars": 0.1}):
+        with pytest.raises(TypeError, match="Sparse\\(threshold=t\\) is select='threshold'"):
+            Sparse(threshold=1e-3, **bad)
+    with pytest.raises(ValueError, match="must be >= 0 with select='threshold'"):
+        Sparse(threshold=-1.0)
+
+
 def test_singa_names_are_deprecated_but_mean_the_same():
     new = Sparse(density=0.01, select="topk", error_feedback=False)
     with pytest.warns(DeprecationWarning) as caught:

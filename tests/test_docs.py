@@ -576,6 +576,26 @@ def check_distopt_launch_elastic(block: Block, tmp_path: Path) -> None:
     assert res.returncode == 0 and "done in a world of 2" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
+def check_from_ddp(block: Block, tmp_path: Path) -> None:
+    """The page's DDP script and its distopt port, each under ``torchrun --nproc-per-node 2``: the same losses
+    and the same parameters, bit for bit."""
+    from tests.support.torch_workers import free_port
+
+    run = pytest.importorskip("torch.distributed.run")
+    outputs = []
+    for argv in _commands(block):
+        assert argv[0] == "torchrun", argv
+        ns = run.get_args_parser().parse_args(argv[1:])
+        (tmp_path / ns.training_script).write_text(_file_block(ns.training_script).code)
+        res = _python(["-m", "torch.distributed.run", *argv[1:-1], "--master-addr", "127.0.0.1", "--master-port",
+                       str(free_port()), ns.training_script], tmp_path, timeout=180)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        lines = sorted(line for line in res.stdout.splitlines() if line.startswith(("epoch ", "checksum ")))
+        assert len(lines) == 4, res.stdout[-3000:]
+        outputs.append(lines)
+    assert outputs[0] == outputs[1], outputs
+
+
 def check_torchrun(block: Block, tmp_path: Path) -> None:
     """torchrun's own parser takes the flags, and the script's parser its arguments (runs: tests/launch/test_world.py)."""
     run = pytest.importorskip("torch.distributed.run")
@@ -703,6 +723,7 @@ CHECKS = {
     "multiprocess-example": check_multiprocess_example,
     "distopt-launch": check_distopt_launch,
     "torchrun": check_torchrun,
+    "from-ddp": check_from_ddp,
     "torchrun-nodes": check_torchrun,
     "torchrun-two-hosts": check_torchrun,
     "torchrun-elastic": check_torchrun_elastic,
@@ -717,11 +738,12 @@ CHECKS = {
     "gpu-tests": check_gpu_tests,
 }
 #: ``file=`` blocks that a command check reads.
-FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py", "elastic_mlp.py"}
+FILES_USED = {"hosts", "hosts-openmpi", "job.sbatch", "launched.py", "elastic_mlp.py", "ddp_train.py",
+              "distopt_train.py"}
 #: The checks that start a job (mpiexec, the launcher, the site build); the others parse the commands
 #: with the scripts' own parsers in this process (the ``unit`` tier).
 JOB_CHECKS = {"first-cpu-run", "mpiexec-one-node", "mpich-hostfile", "distopt-launch", "docs-build",
-              "torchrun-elastic", "distopt-launch-elastic"}
+              "torchrun-elastic", "distopt-launch-elastic", "from-ddp"}
 
 
 def _check_marks(cmd_id: str) -> list[pytest.MarkDecorator]:

@@ -236,7 +236,8 @@ def test_zero3_benchmark_smoke(tmp_path, launcher):
     assert rows["zero3"]["max_abs_diff_vs_ddp"] == 0.0 and rows["fsdp2"]["max_abs_diff_vs_ddp"] == 0.0, rows
     full = rows["ddp"]["parameter_bytes"]
     assert full == rows["ddp"]["params"] * 4
-    assert full / 2 <= rows["zero3"]["parameter_bytes"] <= full / 2 + 64, rows  # 1/W (+ the odd elements)
+    # 1/W, plus the odd elements and the one element each freed parameter keeps (this GPT has < 32 tensors)
+    assert full / 2 <= rows["zero3"]["parameter_bytes"] <= full / 2 + 64 + 4 * 32, rows
     assert rows["zero3"]["optimizer_state_bytes"] <= rows["ddp"]["optimizer_state_bytes"] / 2 + 1024, rows
     assert 0 < rows["zero3"]["gathered_bytes_peak"] <= full, rows
 

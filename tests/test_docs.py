@@ -587,11 +587,18 @@ def check_from_ddp(block: Block, tmp_path: Path) -> None:
         assert argv[0] == "torchrun", argv
         ns = run.get_args_parser().parse_args(argv[1:])
         (tmp_path / ns.training_script).write_text(_file_block(ns.training_script).code)
+        logs = tmp_path / f"logs-{ns.training_script}"  # each rank's stdout in a file of its own
         res = _python(["-m", "torch.distributed.run", *argv[1:-1], "--master-addr", "127.0.0.1", "--master-port",
-                       str(free_port()), ns.training_script], tmp_path, timeout=180)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        lines = sorted(line for line in res.stdout.splitlines() if line.startswith(("epoch ", "checksum ")))
-        assert len(lines) == 4, res.stdout[-3000:]
+                       str(free_port()), "--log-dir", str(logs), "--redirects", "1", ns.training_script], tmp_path,
+                      timeout=180)
+        # plain DDP's gloo teardown may abort a rank after the script finished (pytorch/pytorch issue 190489,
+        # see distopt/comm/torch_exit.py): accepted for the DDP reference only, its printed results compared
+        torn = ns.training_script == "ddp_train.py" and "terminate called without an active exception" in res.stderr
+        assert res.returncode == 0 or torn, res.stdout[-3000:] + res.stderr[-3000:]
+        printed = [f.read_text() for f in sorted(logs.rglob("stdout.log"))]
+        lines = sorted(line for text in printed for line in text.splitlines()
+                       if line.startswith(("epoch ", "checksum ")))
+        assert len(lines) == 4, printed
         outputs.append(lines)
     assert outputs[0] == outputs[1], outputs
 

@@ -17,7 +17,7 @@ from .launch.failfast import install_abort_on_exception
 from .launch.world import World, acquire_comm
 from .sharding.plan import check_sharding
 from .sharding.sync import bucket_sync
-from .sharding.torch_state import torch_sharding
+from .torch.zero.state import torch_sharding
 from .singa import SingaMethods
 from .step.accumulate import GradientAccumulator
 from .step.engine import Engine

@@ -38,7 +38,7 @@ def exchange(launch: Any, size: int, rank: int, kind: int, payload: Sequence[int
     handle's ``wait()`` completes it, leaving the ``(size * WORDS,)`` int64 array in rank order.
 
     Args:
-        launch: the step's :class:`~distopt.step.pipeline.Launcher` (its in-place all-gather).
+        launch: the step's :class:`~distopt.comm.launcher.Launcher` (its in-place all-gather).
         size: the world size.
         rank: this rank.
         kind: :data:`STARTING`, :data:`ANNOUNCING` or :data:`HEADER`.

@@ -34,7 +34,7 @@ __all__ = ["Piece", "ShardPlan", "plan_shards", "piece_views", "shard_grad_views
            "check_sharding", "check_strategy"]
 
 #: The sharding stages: 0 (none: every rank updates everything), 1 (optimizer state), 2 (and gradients),
-#: 3 (and parameters: :mod:`distopt.sharding.params`).
+#: 3 (and parameters: :mod:`distopt.torch.zero.params`).
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -57,7 +57,7 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
         zero: the requested stage.
         strategy: the held strategy.
         array_opt: the array optimizer (None for a PyTorch one, checked by
-            :func:`distopt.sharding.torch_step.check_elementwise`).
+            :func:`distopt.torch.zero.step.check_elementwise`).
         overlap_param_gather: the option of the same name.
 
     Raises:

@@ -3,7 +3,7 @@
 A piece is ``(parameter number, start, stop, state)``: this rank's elements
 ``start:stop`` of the flattened parameter numbered over the optimizer's
 groups, with the optimizer's state entry for them
-(:meth:`distopt.sharding.torch_step.ShardedTorchStep.pieces`).
+(:meth:`distopt.torch.zero.step.ShardedTorchStep.pieces`).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ times the bytes of ``zero=0``); stage 2 moves a reduce-scatter plus the
 all-gather (the bytes of one all-reduce) and keeps 1/W of the gradient.
 
 The torch side of a sharded step (shard tensors, ``.grad``, checkpoints)
-is :mod:`distopt.sharding.torch_step` and :mod:`distopt.sharding.torch_state`.
+is :mod:`distopt.torch.zero.step` and :mod:`distopt.torch.zero.state`.
 """
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ class ShardedSync(BucketSync):
             gradients: reduce-scattered, each bucket's buffer dropped once
             reduced, and a step's buffers are new); 3 reduces as 2 (its
             parameters are gathered by the model's hooks instead,
-            :mod:`~distopt.sharding.params`).
+            :mod:`~distopt.torch.zero.params`).
     """
 
     def __init__(self, stage: int) -> None:

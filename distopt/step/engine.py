@@ -56,7 +56,8 @@ from ..strategies.base import GradientStrategy
 from ..comm.consensus import digest
 from .agreement import GroupSettings, check_same, shadow_settings
 from .outcome import Agreement, Outcome, Pending, not_finite
-from .pipeline import BucketPipeline, Launcher
+from ..comm.launcher import Launcher
+from .pipeline import BucketPipeline
 
 __all__ = ["Engine", "DEFAULT_THRESHOLD", "FIRST_BUCKET"]
 

@@ -17,95 +17,22 @@ the hooks), NCCL enqueued on its stream, shared memory on one worker thread
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..core._array import xp_of
 from ..core.buckets import Bucket, is_float, put
 from ..comm.base import Communicator
-from ..comm.lifecycle import Completed, profile_range
+from ..comm.launcher import Launcher
+from ..comm.lifecycle import profile_range
 from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
 from .outcome import Agreement, Outcome, Pending, all_zero
 
-__all__ = ["BucketPipeline", "Launcher", "IN_FLIGHT"]
+__all__ = ["BucketPipeline", "IN_FLIGHT"]
 
 #: Reductions started after backward that may be in flight at once.
 IN_FLIGHT = 1
-
-
-class _ThreadHandle:
-    """A blocking all-reduce run on a worker thread."""
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def test(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> Any:
-        return self._future.result()
-
-
-class Launcher:
-    """Starts all-reduces asynchronously: the backend's ``all_reduce_async`` or one worker thread.
-
-    Args:
-        comm: the communicator.
-    """
-
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-        self._native = getattr(comm, "all_reduce_async", None)
-        self._executor: ThreadPoolExecutor | None = None
-        self._last: Future | None = None  # the worker thread's last call
-
-    @property
-    def threaded(self) -> bool:
-        """True when reductions run on a worker thread (the caller must drain before its next collective)."""
-        return self._native is None
-
-    def __call__(self, array: Any, op: str) -> Any:
-        if self._native is not None:
-            return self._native(array, op)
-        return self._submit(self.comm.all_reduce, array, op)
-
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> _ThreadHandle:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distopt-allreduce")
-        self._last = self._executor.submit(fn, *args)
-        return _ThreadHandle(self._last)
-
-    def scatter(self, counts: Sequence[int]) -> Callable[[Any, str], Any]:
-        """``scatter(array, op)``: starts a reduce-scatter of ``array`` over ``counts`` (the backend's
-        ``reduce_scatter_async``, or the worker thread); its handle's ``wait()`` returns this rank's segment."""
-        native = getattr(self.comm, "reduce_scatter_async", None)
-        if native is not None:
-            return lambda array, op: native(array, counts, op)
-        return lambda array, op: self._submit(self.comm.reduce_scatter, array, counts, op)
-
-    def gather(self, array: Any, counts: Sequence[int]) -> Any:
-        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``);
-        its handle's ``wait()`` completes it. Without one it is complete on return, run by :meth:`call`:
-        left on the worker thread, it could pair with a collective the caller makes meanwhile."""
-        native = getattr(self.comm, "all_gather_into_async", None)
-        if native is not None:
-            return native(array, counts)
-        return Completed(self.call(self.comm.all_gather_into, array, counts))
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the
-        worker thread while it still runs one (two threads must not interleave one communicator's calls),
-        else on the caller's."""
-        if self._last is None or self._last.done():  # the worker holds nothing: no interleaving
-            return fn(*args)
-        return self._submit(fn, *args).wait()
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
 
 
 def _test(started: Any) -> None:

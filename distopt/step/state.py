@@ -12,7 +12,7 @@ from .strategy_set import StrategySet
 __all__ = ["StepState", "ShardedStateLike", "STATE_FORMAT"]
 
 class ShardedStateLike(Protocol):
-    """A sharded optimizer's checkpoint state (:class:`distopt.sharding.torch_state.ShardedState`)."""
+    """A sharded optimizer's checkpoint state (:class:`distopt.torch.zero.state.ShardedState`)."""
 
     def state_dict(self, sharded: bool) -> dict[str, Any]: ...
 
@@ -82,7 +82,7 @@ class StepState:
         tensors, see :mod:`distopt.portable`) when PyTorch is installed, so
         ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
         A sharded optimizer's state is consolidated (collective), or this
-        rank's shard with ``sharded`` (see :class:`~distopt.sharding.torch_state.ShardedState`).
+        rank's shard with ``sharded`` (see :class:`~distopt.torch.zero.state.ShardedState`).
 
         Raises:
             ValueError: ``sharded=True`` without a sharded torch optimizer.

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence
 
 from ..core.buckets import DEFAULT_THRESHOLD, Bucket
+from ..comm.launcher import Handle
 
 if TYPE_CHECKING:
     from ..comm.base import Communicator
@@ -54,23 +55,6 @@ class LocalInfo(Protocol):
     def momentum_factors(self) -> list[tuple[str, float]]:
         """``(where, value)`` of every momentum setting of the optimizer, e.g.
         ``("torch.optim.SGD.param_groups[0]['momentum']", 0.9)``; empty without one."""
-
-
-class Handle(Protocol):
-    """A bucket's reduction in progress: what :meth:`GradientStrategy.start` returns and ``finish`` takes.
-
-    The pipeline calls :meth:`test` while backward runs (MPI progresses a
-    non-blocking collective only inside MPI calls) and may :meth:`wait`
-    early to bound the reductions in flight; :meth:`wait` may be called
-    more than once. The handles of :meth:`BucketContext.launch` are
-    Handles.
-    """
-
-    def test(self) -> bool:
-        """True once the reduction has completed (never blocks)."""
-
-    def wait(self) -> Any:
-        """Block until the reduction has completed; returns its result (the reduced array)."""
 
 
 class NotStarted(NamedTuple):

@@ -104,7 +104,7 @@ class TorchSurface:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
         """Clip the averaged gradients by their global norm, after backward: ``torch.nn.utils.clip_grad_norm_``
         over the inner optimizer's parameters; with ``zero=2`` the same formula over every rank's pieces
-        (collective, :class:`~distopt.sharding.clip.ShardedClip`; bitwise the unsharded result on CPU).
+        (collective, :class:`~distopt.torch.zero.clip.ShardedClip`; bitwise the unsharded result on CPU).
         Returns the norm (a 0-dim tensor of the gradients' dtype)."""
         return self.follower.sink.clip_grad_norm_(self.local.params(), max_norm, norm_type)
 

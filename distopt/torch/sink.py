@@ -2,7 +2,7 @@
 
 :class:`GradientSink` is the replicated one: every parameter's ``.grad``
 holds the cross-rank average, as with PyTorch DDP. A sharded optimizer's
-sink (:class:`distopt.sharding.torch_step.ShardedTorchStep`) overrides it:
+sink (:class:`distopt.torch.zero.step.ShardedTorchStep`) overrides it:
 ``.grad`` then holds this rank's segment, the inner optimizer steps its
 shard tensors, and the parameters are all-gathered after the step.
 """

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.unit
 def test_raw_array_views_a_tensor_and_leaves_its_storage_resizable():
-    from distopt.sharding.params import raw_array
+    from distopt.torch.zero.params import raw_array
 
     t = torch.arange(6, dtype=torch.float32)
     a = raw_array(t, np.dtype(np.float32))

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from distopt.step.pipeline import Launcher
+from distopt.comm.launcher import Launcher
 
 
 class _Recording:

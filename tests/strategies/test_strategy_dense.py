@@ -61,7 +61,8 @@ def test_dense_declares_overlap_and_join_and_has_no_settings():
 @pytest.mark.parametrize("views", [True, False], ids=["viewed", "packed"])
 def test_bucket_sync_divides_a_viewed_bucket_in_place_and_a_packed_one_while_unpacking(views):
     from distopt.step.outcome import Agreement
-    from distopt.step.pipeline import BucketPipeline, Launcher
+    from distopt.comm.launcher import Launcher
+    from distopt.step.pipeline import BucketPipeline
 
     def rank_fn(rank, comm):
         grad = np.array([1.0, 2.0, 4.0]) * (rank + 1)

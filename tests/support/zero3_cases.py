@@ -74,7 +74,7 @@ def case_gathered(rank: int, comm: Any, zero: int, buff: int) -> dict[str, Any]:
 
     import torch
 
-    from distopt.sharding.params import ParamShards
+    from distopt.torch.zero.params import ParamShards
 
     torch.set_num_threads(1)
     model = _blocks()

@@ -1,10 +1,10 @@
 """Stage 3's gradient sink over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=3, model=m)``).
 
-Stage 2's step (:class:`~distopt.sharding.torch_step.ShardedTorchStep`):
+Stage 2's step (:class:`~distopt.torch.zero.step.ShardedTorchStep`):
 each bucket reduce-scattered during backward, the inner optimizer stepping
 this rank's shard tensors, ``.grad`` a placeholder whose any use raises;
 but the shard tensors are views into the parameter segments that
-:class:`~distopt.sharding.params.ParamShards` keeps (the parameters
+:class:`~distopt.torch.zero.params.ParamShards` keeps (the parameters
 themselves are freed at rest), and nothing is all-gathered after the step:
 the next forward gathers what it uses.
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ..step.outcome import Outcome
-from ..step.pipeline import BucketPipeline
-from ..torch.adapter import TorchOptimizer
-from .param_hooks import ModuleHooks
+from ...step.outcome import Outcome
+from ...step.pipeline import BucketPipeline
+from ..adapter import TorchOptimizer
+from .hooks import ModuleHooks
 from .params import ParamShards
-from .plan import ShardPlan, plan_shards
-from .torch_step import ShardedTorchStep
+from ...sharding.plan import ShardPlan, plan_shards
+from .step import ShardedTorchStep
 
 __all__ = ["FullyShardedTorchStep"]
 
@@ -45,7 +45,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
         model: the ``torch.nn.Module`` whose forward and backward gather the parameters.
         counters: the step counters.
         reshard_after_forward: free each bucket after the forward that used it (see
-            :class:`~distopt.sharding.param_hooks.ModuleHooks`).
+            :class:`~distopt.torch.zero.hooks.ModuleHooks`).
     """
 
     def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any,

@@ -1,6 +1,6 @@
 """Stage 3's model hooks: which buckets a module needs, and when they are gathered and freed.
 
-Over :class:`~distopt.sharding.params.ParamShards` (the segments, gathers
+Over :class:`~distopt.torch.zero.params.ParamShards` (the segments, gathers
 and frees), as PyTorch FSDP's pre- and post-forward and pre- and
 post-backward hooks (Zhao et al., VLDB 2023):
 
@@ -34,7 +34,7 @@ post-backward hooks (Zhao et al., VLDB 2023):
 
 A parameter used outside the forward of every module whose subtree holds
 it is freed then: any computation with it raises a RuntimeError naming it
-(:func:`~distopt.sharding.params._freed_class`). A tensor
+(:func:`~distopt.torch.zero.params._freed_class`). A tensor
 that views a parameter but takes no gradient through it (``x @ w.detach()``),
 read in backward after every parameter of its bucket has its gradient,
 would read freed memory; FSDP has the same rule.
@@ -44,7 +44,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ..torch.full_writes import broadcast_from, check_modifier_rank, check_writes, digest
+from ..full_writes import broadcast_from, check_modifier_rank, check_writes, digest
 from .params import ParamShards
 
 __all__ = ["ModuleHooks"]
@@ -60,7 +60,7 @@ class ModuleHooks:
     """The hooks that gather and free a stage-3 model's parameters (see the module docs).
 
     Args:
-        store: the :class:`~distopt.sharding.params.ParamShards` of the model's layout.
+        store: the :class:`~distopt.torch.zero.params.ParamShards` of the model's layout.
         reshard_after_forward: False: a forward with gradients on frees nothing, and backward frees each
             bucket once its gradients are ready (FSDP's ``reshard_after_forward=False``).
     """

@@ -19,7 +19,7 @@ ZeRO stage 3 (Rajbhandari, Rasley, Ruwase & He, SC 2020) and PyTorch FSDP
   are those of the re-gather before it.
 
 The model hooks that decide when a bucket is gathered and freed are
-:mod:`~distopt.sharding.param_hooks`.
+:mod:`~distopt.torch.zero.hooks`.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..core._array import xp_of
-from ..core.buckets import Bucket
-from ..torch.adapter import as_array
-from . import frame
-from .plan import ShardPlan
+from ...core._array import xp_of
+from ...core.buckets import Bucket
+from ..adapter import as_array
+from ...sharding import frame
+from ...sharding.plan import ShardPlan
 
 __all__ = ["ParamShards", "raw_array"]
 
@@ -87,7 +87,7 @@ def _freed_class(kind: type) -> type:
 
 class ParamShards:
     """A stage-3 model's parameter segments, their gathers and frees (driven by
-    :class:`~distopt.sharding.param_hooks.ModuleHooks`).
+    :class:`~distopt.torch.zero.hooks.ModuleHooks`).
 
     Args:
         comm: the communicator (its rank; the gathers go through the engine's launcher, :meth:`shard`).
@@ -134,7 +134,7 @@ class ParamShards:
             buckets: the layout's float buckets.
             plan: the layout's shard plan.
             context: wraps collective errors with the step and the bucket.
-            launch: the engine's :class:`~distopt.step.pipeline.Launcher`: the gathers and checks go in
+            launch: the engine's :class:`~distopt.comm.launcher.Launcher`: the gathers and checks go in
                 order with the step's reductions (on its worker thread where the backend has no
                 asynchronous collectives).
         """

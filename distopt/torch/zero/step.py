@@ -34,16 +34,16 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..comm.consensus import gather_objects
-from ..step.outcome import Outcome
-from ..step.pipeline import BucketPipeline
-from ..torch.adapter import TorchOptimizer, as_array, as_tensor
-from ..torch.sink import GradientSink
+from ...comm.consensus import gather_objects
+from ...step.outcome import Outcome
+from ...step.pipeline import BucketPipeline
+from ..adapter import TorchOptimizer, as_array, as_tensor
+from ..sink import GradientSink
 from .clip import ShardedClip
-from .gather import ParamGather
-from .plan import ShardPlan
-from .shard_state import consolidate
-from .sync import PieceUpdate, ShardedStep
+from ...sharding.gather import ParamGather
+from ...sharding.plan import ShardPlan
+from ...sharding.shard_state import consolidate
+from ...sharding.sync import PieceUpdate, ShardedStep
 
 __all__ = ["ShardedTorchStep", "check_elementwise", "sharded_grad",
            "is_sharded_grad", "ELEMENTWISE"]
@@ -346,7 +346,7 @@ class ShardedTorchStep(GradientSink):
         Stage 1 (``.grad`` holds the whole average), and any stage outside a
         reduced step (a skipped one's NaN ``.grad``): ``torch.nn.utils.clip_grad_norm_``
         over ``params``. Stage 2: the shard gradients, by torch's formula over
-        every rank's pieces (collective, :class:`~distopt.sharding.clip.ShardedClip`).
+        every rank's pieces (collective, :class:`~distopt.torch.zero.clip.ShardedClip`).
         Both equal ``zero=0``'s ``clip_grad_norm_`` over ``params`` bitwise on CPU.
         """
         if self.stage == 1 or not self.swapped or self.plan is None:

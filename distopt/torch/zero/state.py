@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..comm.consensus import agree, gather_objects
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
-from ..torch.adapter import TorchOptimizer
-from ..torch.sink import GradientSink
-from .shard_state import check_shards, consolidate
-from .torch_step import ShardedTorchStep, check_elementwise
+from ...comm.consensus import agree, gather_objects
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..adapter import TorchOptimizer
+from ..sink import GradientSink
+from ...sharding.shard_state import check_shards, consolidate
+from .step import ShardedTorchStep, check_elementwise
 
 __all__ = ["ShardedState", "torch_sharding"]
 
@@ -182,7 +182,7 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
         raise ValueError("overlap_param_gather=True waits for each bucket's gather in the forward pre-hooks of "
                          "model=; pass model=your_module")
     if zero == 3:
-        from .torch_full import FullyShardedTorchStep
+        from .full import FullyShardedTorchStep
 
         shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters, reshard_after_forward)
     else:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .plan import ShardPlan
+from ...sharding.plan import ShardPlan
 
 __all__ = ["ShardedClip"]
 

@@ -74,7 +74,7 @@ def case_gathered(rank: int, comm: Any, zero: int, buff: int) -> dict[str, Any]:
 
     import torch
 
-    from distopt.torch.zero.params import ParamShards
+    from distopt.torch.zero.params import Gathered, ParamShards
 
     torch.set_num_threads(1)
     model = _blocks()
@@ -92,7 +92,7 @@ def case_gathered(rank: int, comm: Any, zero: int, buff: int) -> dict[str, Any]:
     start, gather, free = store._start, store.gather, store.free
 
     def counting_start(b: int) -> None:
-        if store._state[b] == 0:
+        if store._state[b] is Gathered.FREE:
             counts["started"] += 1
             unused.add(b)
         start(b)

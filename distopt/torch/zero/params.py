@@ -24,6 +24,7 @@ The model hooks that decide when a bucket is gathered and freed are
 from __future__ import annotations
 
 import ctypes
+from enum import Enum
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,9 +35,15 @@ from ..adapter import as_array
 from ...sharding import frame
 from ...sharding.plan import ShardPlan
 
-__all__ = ["ParamShards", "raw_array"]
+__all__ = ["ParamShards", "Gathered", "raw_array"]
 
-_FREE, _PENDING, _FULL = 0, 1, 2
+
+class Gathered(Enum):
+    """Where a bucket's parameters are: freed (this rank's segment only), being gathered, whole."""
+
+    FREE = "free"
+    PENDING = "pending"
+    FULL = "full"
 
 
 def raw_array(tensor: Any, dtype: Any) -> Any:
@@ -110,7 +117,7 @@ class ParamShards:
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.segments: list[Any] = []
         self._flats: list[Any] = []
-        self._state: list[int] = []
+        self._state: list[Gathered] = []
         self._pending: dict[int, Any] = {}
         self.bucket_of: dict[int, int] = {}
         self.names: list[str] = []
@@ -154,7 +161,7 @@ class ParamShards:
             lo = plan.lows[b]
             self.segments.append(flat[lo:lo + plan.counts[b][rank]].clone())
             self._flats.append(flat)
-            self._state.append(_FULL)
+            self._state.append(Gathered.FULL)
             self._gathered += flat.nbytes
             self._full.append([flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots])
             self._views(b)
@@ -182,7 +189,7 @@ class ParamShards:
 
     def _start(self, b: int) -> None:
         """Start gathering bucket ``b`` (a no-op unless it is free)."""
-        if self._state[b] != _FREE:
+        if self._state[b] is not Gathered.FREE:
             return
         flat = self._flats[b]
         flat.untyped_storage().resize_(flat.nbytes)
@@ -191,7 +198,7 @@ class ParamShards:
         array[lo:lo + counts[self.comm.rank]] = self._segment_arrays[b]
         with self._context(self._where(b)):  # type: ignore[misc]
             self._pending[b] = self._launch.gather(array, counts)
-        self._state[b] = _PENDING
+        self._state[b] = Gathered.PENDING
         self._gathered += flat.nbytes
         self.counters.gather_bytes += int(flat.nbytes)
         self.counters.gathered_bytes = self._gathered
@@ -200,13 +207,13 @@ class ParamShards:
     def _finish(self, b: int) -> None:
         """Complete bucket ``b``'s gather (starting it if free): its parameters are full views."""
         self._start(b)
-        if self._state[b] != _PENDING:
+        if self._state[b] is not Gathered.PENDING:
             return
         handle = self._pending.pop(b)
         with self._context(self._where(b)):  # type: ignore[misc]
             handle.wait()
         self._views(b)
-        self._state[b] = _FULL
+        self._state[b] = Gathered.FULL
 
     def _views(self, b: int) -> None:
         """Make bucket ``b``'s parameters views into its flat buffer (made once: a view reads the buffer's
@@ -230,9 +237,9 @@ class ParamShards:
 
     def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
-        if self._state[b] == _PENDING:
+        if self._state[b] is Gathered.PENDING:
             self._finish(b)
-        if self._state[b] != _FULL:
+        if self._state[b] is not Gathered.FULL:
             return
         for s in self.buckets[b].slots:
             t = self.tensors[s.index]
@@ -245,7 +252,7 @@ class ParamShards:
             self._renew(b)
         self._gathered -= flat.nbytes
         self.counters.gathered_bytes = self._gathered
-        self._state[b] = _FREE
+        self._state[b] = Gathered.FREE
 
     def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:
         """Start a gather check: this rank's frame (:mod:`~distopt.sharding.frame`: a start or an
@@ -305,12 +312,12 @@ class ParamShards:
                 every rank).
         """
         self._start_announced()
-        starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] == _FREE]
+        starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] is Gathered.FREE]
         if starting:
             self._verify(self._words(frame.STARTING, phase, where, starting), phase)
             for b in starting:
                 self._start(b)
-        coming = [b for b in dict.fromkeys(later) if self._state[b] == _FREE]
+        coming = [b for b in dict.fromkeys(later) if self._state[b] is Gathered.FREE]
         if coming:
             self._announced = (self._words(frame.ANNOUNCING, phase, where, coming), phase, coming)
         for b in need:
@@ -328,7 +335,7 @@ class ParamShards:
 
     def gathered(self, b: int) -> bool:
         """Whether bucket ``b`` is whole now."""
-        return self._state[b] == _FULL
+        return self._state[b] is Gathered.FULL
 
     def storages(self) -> set[int]:
         """The data pointers of the buckets' flat buffers (a tensor sharing one views a gathered parameter)."""
@@ -336,14 +343,14 @@ class ParamShards:
 
     def gathered_flats(self) -> list[Any]:
         """The flat buffers of the buckets that are whole now (what the model's parameters view)."""
-        return [flat for b, flat in enumerate(self._flats) if self._state[b] == _FULL]
+        return [flat for b, flat in enumerate(self._flats) if self._state[b] is Gathered.FULL]
 
     def write_back(self) -> None:
         """Copy every gathered bucket's segment of this rank back into :attr:`segments` (the model's
         parameters were written: ``load_state_dict``, ``summon_full_params``)."""
         rank = self.comm.rank
         for b, flat in enumerate(self._flats):
-            if self._state[b] == _FULL:
+            if self._state[b] is Gathered.FULL:
                 lo = self.plan.lows[b]  # type: ignore[union-attr]
                 self.segments[b].copy_(flat.detach()[lo:lo + self.plan.counts[b][rank]])  # type: ignore[union-attr]
 

@@ -43,12 +43,12 @@ import threading
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from .comm.consensus import agree
 from .portable import HAVE_TORCH, from_portable, to_portable
 
-__all__ = ["save", "load", "CHECKPOINT_FORMAT"]
+__all__ = ["save", "load", "write_atomically", "CHECKPOINT_FORMAT", "TMP_SUFFIX"]
 
 log = logging.getLogger("distopt")
 
@@ -134,6 +134,7 @@ _RAISED_AS = (ValueError, OSError, TypeError)
 
 
 #: Ends the name of every temporary file a save writes (``.<name>.<host>.<pid>.<random>`` before it).
+#: The suffix of :func:`write_atomically`'s temporary files.
 TMP_SUFFIX = ".distopt-tmp"
 
 
@@ -184,10 +185,18 @@ def _removed_on_sigterm(tmp: str) -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _write_atomically(path: Path, payload: Any) -> None:
-    """Write ``payload`` to ``path`` through a temporary file next to it, then ``os.replace``; the temporary
-    file is removed when the write fails, is interrupted (an exception, SIGINT) or ends by SIGTERM, and
-    stale ones of earlier interrupted saves of ``path`` are swept first (:func:`_sweep`)."""
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """The package's one atomic writer: ``write(f)`` fills a temporary file next to ``path`` (flushed and
+    fsynced), then ``os.replace`` gives it its name, so a reader sees the whole file or none.
+
+    The temporary file (``.<name>.<host>.<pid>.<random>`` + :data:`TMP_SUFFIX`) is removed when the write
+    fails, is interrupted (an exception, SIGINT) or ends by SIGTERM; stale ones of earlier interrupted
+    writes of ``path`` by processes no longer alive are swept first. Used by :func:`save` and by the
+    elastic commits (:class:`distopt.elastic.snapshot.SnapshotDir`).
+
+    Raises:
+        OSError: the directory or the file cannot be written; whatever ``write`` raises.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     _sweep(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{socket.gethostname()}.{os.getpid()}.", suffix=TMP_SUFFIX,
@@ -195,7 +204,7 @@ def _write_atomically(path: Path, payload: Any) -> None:
     try:
         with _removed_on_sigterm(tmp):
             with os.fdopen(fd, "wb") as f:
-                _dump(payload, f)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -255,9 +264,9 @@ def save(path: str | os.PathLike, model_state: Any, opt: Any) -> bool:
     rpath = _residual_path(path, opt.rank_in_global)
     try:
         if wrote:
-            _write_atomically(path, payload)
+            write_atomically(path, lambda f: _dump(payload, f))
         if residuals:
-            _write_atomically(rpath, residuals)
+            write_atomically(rpath, lambda f: _dump(residuals, f))
         else:  # never leave a stale residual file next to a newer checkpoint
             rpath.unlink(missing_ok=True)
     except OSError as exc:

@@ -2,7 +2,8 @@
 
 torchrun's agent restarts every worker when the world changes, so a commit held
 only in a worker's memory would die with it. Each commit is therefore also
-written, atomically (a temporary name, then ``os.replace``), to
+written, atomically (:func:`distopt.checkpoint.write_atomically`: a temporary name, then
+``os.replace``), to
 ``/dev/shm/distopt-elastic-<run id>/commit-<seq>.rank<rank>.pt``: memory, not
 disk, and gone when the machine is. A reader never sees a partial commit: the
 file appears complete under its final name, or not at all.
@@ -26,10 +27,11 @@ import re
 import shutil
 from pathlib import Path
 
+from ..checkpoint import TMP_SUFFIX, write_atomically
+
 __all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"commit-(\d+)\.rank(\d+)\.pt")
-_TEMPORARY = re.compile(r"commit-(\d+)\.rank(\d+)\.tmp\d+")
 
 
 class SnapshotDir:
@@ -61,12 +63,10 @@ class SnapshotDir:
         """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         final = self.path / f"commit-{seq}.rank{rank}.pt"
-        tmp = final.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(payload)
-        os.replace(tmp, final)
-        for other in self.path.iterdir():
+        write_atomically(final, lambda f: f.write(payload))
+        for other in self.path.iterdir():  # one writer here: any other temporary file is a killed write's
             done = _NAME.fullmatch(other.name)
-            if (int(done.group(1)) < seq) if done else bool(_TEMPORARY.fullmatch(other.name)):
+            if (int(done.group(1)) < seq) if done else other.name.endswith(TMP_SUFFIX):
                 other.unlink(missing_ok=True)
         return final
 

@@ -94,7 +94,7 @@ def node_commits(base: Path, node: int) -> list[str]:
     """The names in node ``node``'s commit directories (``base/node<node>/distopt-elastic-*/agent-*``, as
     ``distopt-elastic-<run>/<file>``): what the node keeps in its shared memory."""
     return sorted(f"{d.name}/{f.name}" for d in (base / f"node{node}").glob("distopt-elastic-*")
-                  for f in d.glob("agent-*/*"))
+                  for a in d.glob("agent-*") for f in a.iterdir())  # a temporary file's name starts with "."
 
 
 def resumed_after(rows: list[dict], since: float) -> float:

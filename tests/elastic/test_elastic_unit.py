@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from distopt.checkpoint import TMP_SUFFIX
 from distopt.elastic import ElasticLaunchError, ElasticSampler, SnapshotDir, State, check_launch
 
 pytestmark = pytest.mark.unit
@@ -89,7 +90,7 @@ def test_snapshot_dir_keeps_the_newest_commit_alone(tmp_path: Path) -> None:
     d.write(1, 0, b"one")
     d.write(1, 1, b"one")  # the node's rank changed (the world re-formed): both commit 1 files stay
     assert sorted(p.name for p in d.path.iterdir()) == ["commit-1.rank0.pt", "commit-1.rank1.pt"]
-    (d.path / "commit-2.rank1.tmp999999").write_bytes(b"tw")  # a writer killed mid-write of commit 2
+    (d.path / f".commit-2.rank1.pt.host.999999.x{TMP_SUFFIX}").write_bytes(b"tw")  # killed mid-write of commit 2
     assert d.newest()[0] == 1  # a temporary file is never read
     d.write(2, 0, b"two")
     assert sorted(p.name for p in d.path.iterdir()) == ["commit-2.rank0.pt"]
@@ -174,7 +175,7 @@ def test_agents_on_one_host_keep_their_commits_apart(tmp_path: Path) -> None:
     commit or half-written file, and every agent (a relaunch's too) finds the host's newest commit."""
     first, second = SnapshotDir("job", tmp_path, agent=101), SnapshotDir("job", tmp_path, agent=202)
     second.write(1, 1, b"one")
-    half = second.path / "commit-2.rank1.tmp4242"  # the second agent's writer is in the middle of commit 2
+    half = second.path / f".commit-2.rank1.pt.host.4242.x{TMP_SUFFIX}"  # the second agent's writer, mid-write
     half.write_bytes(b"tw")
     first.write(2, 0, b"two")
     assert half.exists() and (second.path / "commit-1.rank1.pt").exists()

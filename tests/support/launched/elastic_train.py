@@ -35,16 +35,19 @@ that a test can check what a node keeps in its shared memory.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import distopt
 from distopt import elastic
+from distopt.elastic import snapshot
 
 N, B, EPOCHS, EVERY = 48, 2, 2, 3
 BASE_LR = 0.05
@@ -61,7 +64,7 @@ def _die_in_commit(out: Path, seq: int, at: str, rank: int, opt: distopt.DistOpt
     """Make this rank pause inside commit ``seq`` (see ``--die-in-commit``): before ``opt``'s state is
     consolidated (``at="consolidate"``: the commit's only collective here, in ``opt.state_dict()``), or
     after half of the commit file's bytes are written to its temporary name (``at="write"``: inside
-    ``SnapshotDir.write``, which writes with ``Path.write_bytes`` and then renames)."""
+    ``SnapshotDir.write``'s :func:`distopt.checkpoint.write_atomically`, which renames once all is written)."""
     if at == "consolidate":
         state_dict = opt.state_dict
 
@@ -72,16 +75,24 @@ def _die_in_commit(out: Path, seq: int, at: str, rank: int, opt: distopt.DistOpt
 
         opt.state_dict = paused_state_dict
         return
-    write_bytes = Path.write_bytes
+    original = snapshot.write_atomically
 
-    def half_write_bytes(self: Path, data: bytes) -> int:
-        if self.name.startswith(f"commit-{seq}.rank") and not self.name.endswith(".pt"):
-            with open(self, "wb") as f:
-                f.write(data[:len(data) // 2])
+    def half_then_pause(path: Path, write: Any) -> None:
+        if not path.name.startswith(f"commit-{seq}.rank"):
+            return original(path, write)
+
+        def half(f: Any) -> None:
+            whole = io.BytesIO()
+            write(whole)
+            data = whole.getvalue()
+            f.write(data[:len(data) // 2])
+            f.flush()
             pause(out, "commit", rank)
-        return write_bytes(self, data)
+            f.write(data[len(data) // 2:])
 
-    Path.write_bytes = half_write_bytes
+        return original(path, half)
+
+    snapshot.write_atomically = half_then_pause
 
 
 def main() -> None:

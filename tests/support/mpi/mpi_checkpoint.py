@@ -103,15 +103,15 @@ def test_h24_one_writer_fresh_directory_immediate_load(world, monkeypatch):
     tmp = world.bcast(tempfile.mkdtemp(prefix="distopt-h24-") if rank == 0 else None, root=0)
     target = os.path.join(tmp, "a", "b", "ckpt.pkl")
     writes = []
-    real_write = distopt.checkpoint._write_atomically
+    real_write = distopt.checkpoint.write_atomically
 
-    def slow_counting_write(path, payload):
+    def slow_counting_write(path, write):
         writes.append(str(path))
         if rank == 0:
             time.sleep(0.5)
-        real_write(path, payload)
+        real_write(path, write)
 
-    monkeypatch.setattr(distopt.checkpoint, "_write_atomically", slow_counting_write)
+    monkeypatch.setattr(distopt.checkpoint, "write_atomically", slow_counting_write)
     error, wrote, size_at_return, digest, file_digest = None, None, None, None, None
     existed = os.path.exists(os.path.dirname(target))
     try:

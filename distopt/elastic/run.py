@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ..errors import DistOptError
 from ..launch.info import RESTART_COUNT_ENV, RUN_ID_ENV
+from ..launch.ranks import under_mpi
 from .heartbeat import DEFAULT_LOST_AFTER_S, PeerLostError, check_lost_after, torchrun_heartbeat
 from .regroup import grow_check
 from .sampler import ElasticSampler
@@ -35,7 +36,6 @@ __all__ = ["ElasticLaunchError", "check_launch", "run"]
 log = logging.getLogger("distopt")
 T = TypeVar("T")
 
-_MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 _LAUNCH_HINT = ("launch with torchrun's elastic agent, e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun "
                 "--nnodes 2:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB "
                 "--max-restarts 10 train.py, or on one machine python -m distopt.launch -n 3 --min-np 2 "
@@ -60,7 +60,7 @@ def check_launch(env: Mapping[str, str]) -> str:
     """
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
-        if any(v in env for v in _MPI_VARS):
+        if under_mpi(env):
             raise ElasticLaunchError("distopt.elastic.run does not work under mpiexec/mpirun: an MPI "
                                      "communicator cannot lose or gain a process without ULFM; " + _LAUNCH_HINT)
         if "DISTOPT_JOB_ID" in env:

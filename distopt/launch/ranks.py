@@ -58,6 +58,7 @@ from .devices import device_index
 __all__ = [
     "RankInfo",
     "from_env",
+    "under_mpi",
     "from_hosts",
     "from_explicit",
     "resolve",
@@ -134,6 +135,19 @@ _LAUNCHERS: tuple[tuple[str, _Vars], ...] = (
     ("MPICH", _Vars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None)),
     ("Slurm", _Vars("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID", "SLURM_NNODES")),
 )
+
+
+#: Launchers that start MPI processes (their rank variable says a process runs under ``mpiexec``/``mpirun``).
+_MPI_LAUNCHERS = ("OMPI", "MPICH")
+#: PMIx's rank variable (Open MPI 5's and Slurm's PMIx launchers set it; it gives no world size, so no row above).
+_PMIX_RANK = "PMIX_RANK"
+
+
+def under_mpi(env: Mapping[str, str]) -> bool:
+    """Whether the environment is an MPI launcher's (mpiexec/mpirun of Open MPI, MPICH/Hydra, or PMIx):
+    the table above's MPI rows, and PMIx."""
+    mpi = [v.global_rank for name, v in _LAUNCHERS if name in _MPI_LAUNCHERS]
+    return any(name in env for name in (*mpi, _PMIX_RANK))
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:

@@ -146,6 +146,7 @@ def test_check_launch_accepts_elastic_torchrun() -> None:
 @pytest.mark.parametrize("env, match", [
     ({"PMI_RANK": "0"}, "does not work under mpiexec/mpirun: an MPI communicator cannot lose or gain"),
     ({"OMPI_COMM_WORLD_RANK": "1"}, "does not work under mpiexec"),
+    ({"PMIX_RANK": "2"}, "does not work under mpiexec"),
     ({"DISTOPT_JOB_ID": "x", "RANK": "0"}, "does not work under python -m distopt.launch"),
     ({}, "needs torchrun's elastic agent"),
     ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}, "needs an explicit --rdzv-id"),

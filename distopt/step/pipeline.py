@@ -17,6 +17,8 @@ the hooks), NCCL enqueued on its stream, shared memory on one worker thread
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Sequence
 
 from ..core._array import xp_of
@@ -29,7 +31,7 @@ from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
 from .outcome import Agreement, Outcome, Pending, all_zero
 
-__all__ = ["BucketPipeline", "IN_FLIGHT"]
+__all__ = ["BucketPipeline", "BucketRun", "RunState", "IN_FLIGHT"]
 
 #: Reductions started after backward that may be in flight at once.
 IN_FLIGHT = 1
@@ -40,6 +42,49 @@ def _test(started: Any) -> None:
     test = getattr(started, "test", None)
     if test is not None:
         test()
+
+
+class RunState(Enum):
+    """Where one bucket of one step is."""
+
+    WAITING = "waiting"  # gradients still missing
+    STARTED = "started"  # its reduction is in flight
+    HELD = "held"  # the step's sync holds its result; its flat buffer is dropped
+    LANDED = "landed"  # finished: its result is where the sync puts it
+
+
+@dataclass
+class BucketRun:
+    """One bucket of one step: its layout slot, flat buffer, reduction and state.
+
+    Attributes:
+        index: the bucket's position in the layout.
+        bucket: its :class:`~distopt.core.buckets.Bucket` (the slots it packs).
+        missing: gradients not packed yet.
+        flat: its flat buffer (a packing buffer, a bucket view, or a lone gradient itself); None before
+            the first gradient and once dropped.
+        viewed: ``flat`` is gradient memory (a bucket view, or a lone contiguous gradient).
+        handle: the started reduction (a :class:`~distopt.comm.launcher.Handle`), or what the sync keeps
+            in its place.
+        state: a :class:`RunState`.
+    """
+
+    index: int
+    bucket: Bucket
+    missing: int
+    flat: Any = None
+    viewed: bool = False
+    handle: Any = None
+    state: RunState = RunState.WAITING
+
+    def describe(self, count: int) -> str:
+        """``bucket i of n (size elements of dtype)``, for errors."""
+        return f"bucket {self.index + 1} of {count} ({self.bucket.size} elements of {self.bucket.dtype})"
+
+    def drop(self, buffers: dict[int, Any]) -> None:
+        """Let go of the flat buffer (its result lives on elsewhere), and of the layout's buffer for it."""
+        self.flat, self.viewed = None, False
+        buffers.pop(self.index, None)
 
 
 class BucketPipeline:
@@ -84,77 +129,69 @@ class BucketPipeline:
         self.views, self.bucket_view = views, bucket_view
         self.params, self.launch, self.comm, self.counters = params, launch, comm, counters
         self.agreement, self.context = agreement, agreement.context
-        self.where = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
-        self.missing = [len(bucket.slots) for bucket in buckets]
+        self.runs = [BucketRun(b, bucket, len(bucket.slots)) for b, bucket in enumerate(buckets)]
+        self.where = {s.index: (self.runs[b], s) for b, bucket in enumerate(buckets) for s in bucket.slots}
         self.marked: set[int] = set()
-        self.flats: dict[int, tuple[Any, bool]] = {}
-        self.started: dict[int, Any] = {}
         self.next = 0
         self.settled = settled
         self.sync = StepSync(launch) if sync is None else sync
 
-    def _ctx(self, b: int) -> BucketContext:
-        """Bucket ``b``'s context, its collective the one the step's sync chose."""
-        flat, viewed = self.flats.get(b, (None, False))
-        return BucketContext(b, len(self.buckets), self.key, self.buckets[b], viewed, self.comm,
-                             self.sync.launcher(b), self.counters, flat if self.sync.in_place else None)
+    def _ctx(self, run: BucketRun) -> BucketContext:
+        """A bucket's context, its collective the one the step's sync chose."""
+        return BucketContext(run.index, len(self.runs), self.key, run.bucket, run.viewed, self.comm,
+                             self.sync.launcher(run.index), self.counters, run.flat if self.sync.in_place else None)
 
-    def _where(self, b: int) -> str:
-        bucket = self.buckets[b]
-        return f"bucket {b + 1} of {len(self.buckets)} ({bucket.size} elements of {bucket.dtype})"
+    def _where(self, run: BucketRun) -> str:
+        return run.describe(len(self.runs))
 
-    def _flat(self, b: int, grad: Any) -> tuple[Any, bool]:
-        """Bucket ``b``'s flat buffer: a lone contiguous gradient itself, else the layout's packing buffer
+    def _flat(self, run: BucketRun, grad: Any) -> None:
+        """Give ``run`` its flat buffer: a lone contiguous gradient itself, else the layout's packing buffer
         (with ``bucket_view``, the layout's buffer, which holds the gradients: ``viewed``)."""
-        if b not in self.flats:
-            bucket = self.buckets[b]
-            if self.bucket_view:
-                self.flats[b] = (self.buffers[b], True)
-            elif self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
-                self.flats[b] = (grad.reshape(-1), True)
-            else:
-                buf = self.buffers.get(b)
-                if buf is None:
-                    ref = self.params[bucket.slots[0].index]
-                    buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)
-                self.flats[b] = (buf, False)
-        return self.flats[b]
+        if run.flat is not None:
+            return
+        bucket, b = run.bucket, run.index
+        if self.bucket_view:
+            run.flat, run.viewed = self.buffers[b], True
+        elif self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
+            run.flat, run.viewed = grad.reshape(-1), True
+        else:
+            buf = self.buffers.get(b)
+            if buf is None:
+                ref = self.params[bucket.slots[0].index]
+                buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)
+            run.flat, run.viewed = buf, False
 
     def _put(self, index: int, grad: Any) -> None:
-        b, s = self.where[index]
-        flat, viewed = self._flat(b, grad)
-        if not viewed or (self.bucket_view and grad is None):
-            put(flat, s, grad)
+        run, s = self.where[index]
+        self._flat(run, grad)
+        if not run.viewed or (self.bucket_view and grad is None):
+            put(run.flat, s, grad)
         self.marked.add(index)
-        self.missing[b] -= 1
+        run.missing -= 1
 
     def ready(self, index: int, grad: Any) -> None:
         """Gradient of parameter ``index`` is final: pack it, start complete buckets in order."""
         if index in self.marked or index not in self.where:
             return
         self._put(index, grad)
-        while self.next < len(self.buckets) and self.missing[self.next] == 0:
-            self._start(self.next)
-        for b, started in self.started.items():
-            _test(started)
-            kept = self.sync.poll(b, started) if b in self.flats else None
+        while self.next < len(self.runs) and self.runs[self.next].missing == 0:
+            self._start(self.runs[self.next])
+        for run in self.runs[:self.next]:
+            _test(run.handle)
+            kept = self.sync.poll(run.index, run.handle) if run.state is RunState.STARTED else None
             if kept is not None:  # the sync holds the result: the bucket's buffer may go
-                self.started[b] = kept
-                self._drop(b)
+                run.handle, run.state = kept, RunState.HELD
+                run.drop(self.buffers)
 
-    def _drop(self, b: int) -> None:
-        """Let go of bucket ``b``'s flat buffer (its result lives on elsewhere)."""
-        del self.flats[b]
-        self.buffers.pop(b, None)
+    def _range(self, run: BucketRun, phase: str) -> Any:
+        """A ``torch.profiler`` range for a bucket (a no-op unless a profiler records)."""
+        return profile_range(f"distopt.{self.strategy.name} {phase} bucket {run.index + 1}/{len(self.runs)}")
 
-    def _range(self, b: int, phase: str) -> Any:
-        """A ``torch.profiler`` range for bucket ``b`` (a no-op unless a profiler records)."""
-        return profile_range(f"distopt.{self.strategy.name} {phase} bucket {b + 1}/{len(self.buckets)}")
-
-    def _start(self, b: int) -> None:
-        with self.context(lambda: self._where(b)), self._range(b, "start"):
-            self.started[b] = self.strategy.start(self._ctx(b), self.flats[b][0])
-        self.next = b + 1
+    def _start(self, run: BucketRun) -> None:
+        with self.context(lambda: self._where(run)), self._range(run, "start"):
+            run.handle = self.strategy.start(self._ctx(run), run.flat)
+        run.state = RunState.STARTED
+        self.next = run.index + 1
 
     def complete(self, grads: list[Any], active: bool = True) -> Outcome:
         """Start the buckets not started yet, agree on the step, then average ``grads`` in place (collective).
@@ -184,7 +221,7 @@ class BucketPipeline:
             self.abandon()
             return outcome
         self.finish(grads, agreement.divisor(outcome))
-        if self.buckets and self.sync.vote(grads, outcome.present, agreement.check_finite, agreement.vote):
+        if self.runs and self.sync.vote(grads, outcome.present, agreement.check_finite, agreement.vote):
             agreement.skip(outcome)
         return outcome
 
@@ -201,8 +238,8 @@ class BucketPipeline:
                 continue
             reduced = grads[i]
             if reduced is None:  # a bucket view's slot: the gradient is its flat buffer, never unpacked
-                b, s = self.where[i]
-                reduced = self.flats[b][0][s.offset:s.offset + s.size]
+                run, s = self.where[i]
+                reduced = run.flat[s.offset:s.offset + s.size]
             if all_zero(reduced):
                 return self.agreement.on_gradients(self.params, [g if h else None for g, h in zip(grads, had)],
                                                    active)
@@ -231,18 +268,18 @@ class BucketPipeline:
         for index in self.where:
             if index not in self.marked:
                 self._put(index, grads[index])
-        while self.next < len(self.buckets):
+        while self.next < len(self.runs):
             if self.next >= IN_FLIGHT:
-                self._wait(self.next - IN_FLIGHT)
-            self._start(self.next)
+                self._wait(self.runs[self.next - IN_FLIGHT])
+            self._start(self.runs[self.next])
         if self.launch.threaded:
-            for b in range(self.next):
-                self._wait(b)
+            for run in self.runs[:self.next]:
+                self._wait(run)
 
-    def _wait(self, b: int) -> None:
-        wait = getattr(self.started[b], "wait", None)
+    def _wait(self, run: BucketRun) -> None:
+        wait = getattr(run.handle, "wait", None)
         if wait is not None:
-            with self.context(lambda: self._where(b)):
+            with self.context(lambda: self._where(run)):
                 wait()
 
     def finish(self, grads: list[Any], divisor: int) -> None:
@@ -255,19 +292,19 @@ class BucketPipeline:
         ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
         then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
-        for b, bucket in enumerate(self.buckets):
-            flat, viewed = self.flats.get(b, (None, False))
-            with self.context(lambda: self._where(b)), self._range(b, "finish"):
-                done = self.strategy.finish(self._ctx(b), flat, self.started[b], divisor)
+        for run in self.runs:
+            with self.context(lambda: self._where(run)), self._range(run, "finish"):
+                done = self.strategy.finish(self._ctx(run), run.flat, run.handle, divisor)
             self.counters.wire_bytes += done.wire_bytes
-            self.counters.dense_bytes += bucket.size * bucket.dtype.itemsize
-            if self.sync.land(b, bucket, flat, viewed, done, grads) and b in self.flats:
-                self._drop(b)
+            self.counters.dense_bytes += run.bucket.size * run.bucket.dtype.itemsize
+            if self.sync.land(run.index, run.bucket, run.flat, run.viewed, done, grads) and run.flat is not None:
+                run.drop(self.buffers)
+            run.state = RunState.LANDED
         self.strategy.end_of_step()
 
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""
-        for b in range(self.next):
-            with self.context(lambda: self._where(b)):
-                self.strategy.abandon(self.started[b])
+        for run in self.runs[:self.next]:
+            with self.context(lambda: self._where(run)):
+                self.strategy.abandon(run.handle)
 

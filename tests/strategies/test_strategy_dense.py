@@ -74,7 +74,7 @@ def test_bucket_sync_divides_a_viewed_bucket_in_place_and_a_packed_one_while_unp
         pipeline.ready(0, grad)
         pipeline.launch_rest(grads)
         pipeline.finish(grads, comm.size)
-        return grad, grads[0], pipeline.flats[0][1]
+        return grad, grads[0], pipeline.runs[0].viewed
 
     for grad, out, viewed in run_world(3, rank_fn):
         assert viewed is views

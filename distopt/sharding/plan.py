@@ -170,6 +170,6 @@ def piece_views(plan: ShardPlan, arrays: Sequence[Any]) -> list[Any]:
     return [None if arrays[p.index] is None else arrays[p.index].reshape(-1)[p.start:p.stop] for p in plan.pieces]
 
 
-def shard_grad_views(plan: ShardPlan, segments: dict[int, Any]) -> list[Any]:
+def shard_grad_views(plan: ShardPlan, segments: Sequence[Any]) -> list[Any]:
     """One 1-D view per piece into the reduced segments (``segments[b]``: this rank's part of bucket b)."""
     return [segments[p.bucket][p.offset:p.offset + p.size] for p in plan.pieces]

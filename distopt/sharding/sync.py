@@ -41,6 +41,7 @@ from ..core._array import any_not_finite
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
 from ..strategies.base import Strategy
+from ..step.bucket import BucketRun
 from .gather import ParamGather
 from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
 
@@ -81,25 +82,28 @@ class StepSync:
     def __init__(self, launch: Any) -> None:
         self.launch = launch
 
+    def bind(self, runs: Sequence[BucketRun]) -> None:  # noqa: ARG002 (a replicated step keeps nothing)
+        """The step's buckets (:class:`~distopt.step.bucket.BucketRun`), once the pipeline made them."""
+
     def launcher(self, b: int) -> Callable[[Any, str], Any]:  # noqa: ARG002 (one launcher for every bucket)
         """Bucket ``b``'s collective: an all-reduce whose handle's ``wait()`` reduces in place."""
         return self.launch
 
-    def poll(self, b: int, started: Any) -> Any:  # noqa: ARG002 (nothing to release)
-        """A bucket's handle to keep in place of ``started`` once its buffer may be dropped; None: keep it."""
+    def poll(self, run: BucketRun) -> Any:  # noqa: ARG002 (nothing to release)
+        """A bucket's handle to keep in place of its started one once its buffer may be dropped; None: keep it."""
         return None
 
-    def land(self, b: int, bucket: Bucket, flat: Any, viewed: bool, done: Any,  # noqa: ARG002
-             grads: list[Any]) -> bool:
-        """Put bucket ``b``'s result in ``grads`` (a viewed bucket: in ``flat``, the gradients' memory),
+    def land(self, run: BucketRun, done: Any, grads: list[Any]) -> bool:
+        """Put a bucket's result in ``grads`` (a viewed bucket: in its flat buffer, the gradients' memory),
         divided as ``done.divisor`` says; returns whether the pipeline may drop the bucket's buffer."""
-        if viewed:
+        flat = run.flat
+        if run.viewed:
             if done.result is not None:
                 flat[...] = done.result
             if done.divisor != 1:
                 flat /= done.divisor
         else:
-            unpack(bucket, flat if done.result is None else done.result, grads, done.divisor)
+            unpack(run.bucket, flat if done.result is None else done.result, grads, done.divisor)
         return False
 
     def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
@@ -179,8 +183,9 @@ class ShardedStep(PieceUpdate):
     Args: as :class:`PieceUpdate`.
 
     Attributes:
-        segments: bucket index -> this rank's averaged segment (1-D,
-            ``plan.counts[b][rank]`` ELEMENTS), once the bucket has landed.
+        segments: per bucket, this rank's averaged segment (1-D, ``plan.counts[b][rank]``
+            ELEMENTS) once the bucket has landed, else None (each the bucket's
+            :attr:`~distopt.step.bucket.BucketRun.segment`).
     """
 
     settles_from_reduced = False  # each rank sees only its own segments
@@ -192,29 +197,39 @@ class ShardedStep(PieceUpdate):
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,
                  pieces: Callable[[list[Any]], list[Any]]) -> None:
         super().__init__(launch, plan, buckets, buffers, comm, context, counters, pieces)
-        self.segments: dict[int, Any] = {}
-        self._scatter = [launch.scatter(c) for c in plan.counts]
+        self.runs: Sequence[BucketRun] = ()
+
+    def bind(self, runs: Sequence[BucketRun]) -> None:
+        """The step's buckets: each landed one holds its segment."""
+        self.runs = runs
+
+    @property
+    def segments(self) -> list[Any]:
+        """Per bucket, its segment (None until it landed)."""
+        return [run.segment for run in self.runs]
+
+    def _landed(self) -> list[Any]:
+        return [run.segment for run in self.runs if run.segment is not None]
 
     def launcher(self, b: int) -> Callable[[Any, str], Any]:
         """Bucket ``b``'s collective: a reduce-scatter whose handle's ``wait()`` returns this rank's segment."""
-        return self._scatter[b]
+        return self.launch.scatter(self.plan.counts[b])
 
-    def poll(self, b: int, started: Any) -> Any:  # noqa: ARG002
+    def poll(self, run: BucketRun) -> Any:
         """A completed reduce-scatter's segment, owned (the bucket's buffer may then be dropped)."""
-        if started.test():
-            return Completed(_own(started.wait()))
+        if run.handle.test():
+            return Completed(_own(run.handle.wait()))
         return None
 
-    def land(self, b: int, bucket: Bucket, flat: Any, viewed: bool, done: Any,  # noqa: ARG002
-             grads: list[Any]) -> bool:
-        """Keep bucket ``b``'s averaged segment; returns True (drop the buffer) while it still has one."""
+    def land(self, run: BucketRun, done: Any, grads: list[Any]) -> bool:  # noqa: ARG002
+        """Keep the bucket's averaged segment; returns True (drop the buffer) while it still has one."""
         segment = done.result
         if done.divisor != 1:
             segment /= done.divisor
-        if flat is not None:
+        if run.flat is not None:
             segment = _own(segment)
-        self.segments[b] = segment
-        return flat is not None
+        run.segment = segment
+        return run.flat is not None
 
     def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
         """Whether every rank's segments are finite (collective, always); see :meth:`settle`."""
@@ -222,14 +237,14 @@ class ShardedStep(PieceUpdate):
 
     def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:  # noqa: ARG002
         """This rank's vote: whether some element of its segments is not finite."""
-        return any_not_finite(self.segments.values())
+        return any_not_finite(self._landed())
 
     def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
         """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad
         vote sets every rank's segments to NaN, as a dense average would be NaN on every rank (so
         ``GradScaler`` sees it everywhere)."""
         if bad_anywhere and not check_finite:
-            for seg in self.segments.values():
+            for seg in self._landed():
                 seg[...] = np.nan
         return bad_anywhere and check_finite
 
@@ -240,7 +255,7 @@ class ShardedStep(PieceUpdate):
     @property
     def held_bytes(self) -> int:
         """BYTES of the segments (each in memory of its own, see :func:`_own`)."""
-        return sum(int(s.nbytes) for s in self.segments.values())
+        return sum(int(s.nbytes) for s in self._landed())
 
 
 class BucketSync:

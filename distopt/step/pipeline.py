@@ -17,8 +17,6 @@ the hooks), NCCL enqueued on its stream, shared memory on one worker thread
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Sequence
 
 from ..core._array import xp_of
@@ -29,9 +27,10 @@ from ..comm.lifecycle import profile_range
 from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
+from .bucket import BucketRun, RunState
 from .outcome import Agreement, Outcome, Pending, all_zero
 
-__all__ = ["BucketPipeline", "BucketRun", "RunState", "IN_FLIGHT"]
+__all__ = ["BucketPipeline", "IN_FLIGHT"]
 
 #: Reductions started after backward that may be in flight at once.
 IN_FLIGHT = 1
@@ -42,49 +41,6 @@ def _test(started: Any) -> None:
     test = getattr(started, "test", None)
     if test is not None:
         test()
-
-
-class RunState(Enum):
-    """Where one bucket of one step is."""
-
-    WAITING = "waiting"  # gradients still missing
-    STARTED = "started"  # its reduction is in flight
-    HELD = "held"  # the step's sync holds its result; its flat buffer is dropped
-    LANDED = "landed"  # finished: its result is where the sync puts it
-
-
-@dataclass
-class BucketRun:
-    """One bucket of one step: its layout slot, flat buffer, reduction and state.
-
-    Attributes:
-        index: the bucket's position in the layout.
-        bucket: its :class:`~distopt.core.buckets.Bucket` (the slots it packs).
-        missing: gradients not packed yet.
-        flat: its flat buffer (a packing buffer, a bucket view, or a lone gradient itself); None before
-            the first gradient and once dropped.
-        viewed: ``flat`` is gradient memory (a bucket view, or a lone contiguous gradient).
-        handle: the started reduction (a :class:`~distopt.comm.launcher.Handle`), or what the sync keeps
-            in its place.
-        state: a :class:`RunState`.
-    """
-
-    index: int
-    bucket: Bucket
-    missing: int
-    flat: Any = None
-    viewed: bool = False
-    handle: Any = None
-    state: RunState = RunState.WAITING
-
-    def describe(self, count: int) -> str:
-        """``bucket i of n (size elements of dtype)``, for errors."""
-        return f"bucket {self.index + 1} of {count} ({self.bucket.size} elements of {self.bucket.dtype})"
-
-    def drop(self, buffers: dict[int, Any]) -> None:
-        """Let go of the flat buffer (its result lives on elsewhere), and of the layout's buffer for it."""
-        self.flat, self.viewed = None, False
-        buffers.pop(self.index, None)
 
 
 class BucketPipeline:
@@ -135,6 +91,7 @@ class BucketPipeline:
         self.next = 0
         self.settled = settled
         self.sync = StepSync(launch) if sync is None else sync
+        self.sync.bind(self.runs)
 
     def _ctx(self, run: BucketRun) -> BucketContext:
         """A bucket's context, its collective the one the step's sync chose."""
@@ -178,7 +135,7 @@ class BucketPipeline:
             self._start(self.runs[self.next])
         for run in self.runs[:self.next]:
             _test(run.handle)
-            kept = self.sync.poll(run.index, run.handle) if run.state is RunState.STARTED else None
+            kept = self.sync.poll(run) if run.state is RunState.STARTED else None
             if kept is not None:  # the sync holds the result: the bucket's buffer may go
                 run.handle, run.state = kept, RunState.HELD
                 run.drop(self.buffers)
@@ -297,7 +254,7 @@ class BucketPipeline:
                 done = self.strategy.finish(self._ctx(run), run.flat, run.handle, divisor)
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += run.bucket.size * run.bucket.dtype.itemsize
-            if self.sync.land(run.index, run.bucket, run.flat, run.viewed, done, grads) and run.flat is not None:
+            if self.sync.land(run, done, grads) and run.flat is not None:
                 run.drop(self.buffers)
             run.state = RunState.LANDED
         self.strategy.end_of_step()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from distopt.sharding.sync import ShardedStep, _own
+from distopt.step.bucket import BucketRun
 
 pytestmark = pytest.mark.unit
 
@@ -37,5 +38,7 @@ def test_held_bytes_count_every_segment_whatever_holds_its_memory():
     arrays were counted)."""
     torch = pytest.importorskip("torch")
     step = ShardedStep.__new__(ShardedStep)  # only the segments matter here
-    step.segments = {0: torch.zeros(5, dtype=torch.float32).numpy(), 1: np.zeros(3, np.float64)}
+    runs = [BucketRun(0, None, 0, segment=torch.zeros(5, dtype=torch.float32).numpy()),
+            BucketRun(1, None, 0, segment=np.zeros(3, np.float64)), BucketRun(2, None, 0)]  # the last not landed
+    step.bind(runs)
     assert step.held_bytes == 5 * 4 + 3 * 8

@@ -211,9 +211,9 @@ class ShardedTorchStep(GradientSink):
         held, self._unstepped = self._unstepped, None
         if isinstance(step, ShardedStep) and held is not None and outcome.applies and not skipped:
             before, had = held
-            for b, segment in step.segments.items():
-                if b in before.segments:
-                    segment += before.segments[b]
+            for run, held_run in zip(step.runs, before.runs):
+                if run.segment is not None and held_run.segment is not None:
+                    run.segment += held_run.segment
             present = [a or h for a, h in zip(present, had)]
         self._step = step
         if self.stage == 1:  # the whole average, as zero=0; the shard gradients view it

@@ -41,7 +41,7 @@ from ..core._array import any_not_finite
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
 from ..strategies.base import Strategy
-from ..step.bucket import BucketRun
+from ..core.bucket_run import BucketRun
 from .gather import ParamGather
 from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
 
@@ -83,7 +83,7 @@ class StepSync:
         self.launch = launch
 
     def bind(self, runs: Sequence[BucketRun]) -> None:  # noqa: ARG002 (a replicated step keeps nothing)
-        """The step's buckets (:class:`~distopt.step.bucket.BucketRun`), once the pipeline made them."""
+        """The step's buckets (:class:`~distopt.core.bucket_run.BucketRun`), once the pipeline made them."""
 
     def launcher(self, b: int) -> Callable[[Any, str], Any]:  # noqa: ARG002 (one launcher for every bucket)
         """Bucket ``b``'s collective: an all-reduce whose handle's ``wait()`` reduces in place."""
@@ -185,7 +185,7 @@ class ShardedStep(PieceUpdate):
     Attributes:
         segments: per bucket, this rank's averaged segment (1-D, ``plan.counts[b][rank]``
             ELEMENTS) once the bucket has landed, else None (each the bucket's
-            :attr:`~distopt.step.bucket.BucketRun.segment`).
+            :attr:`~distopt.core.bucket_run.BucketRun.segment`).
     """
 
     settles_from_reduced = False  # each rank sees only its own segments

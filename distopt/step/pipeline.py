@@ -27,7 +27,7 @@ from ..comm.lifecycle import profile_range
 from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
-from .bucket import BucketRun, RunState
+from ..core.bucket_run import BucketRun, RunState
 from .outcome import Agreement, Outcome, Pending, all_zero
 
 __all__ = ["BucketPipeline", "IN_FLIGHT"]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from distopt.sharding.sync import ShardedStep, _own
-from distopt.step.bucket import BucketRun
+from distopt.core.bucket_run import BucketRun
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..core.buckets import Bucket
+from .buckets import Bucket
 
 __all__ = ["RunState", "BucketRun"]
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
+from ...sharding.plan import ShardPlan, plan_shards
 from ...step.outcome import Outcome
 from ...step.pipeline import BucketPipeline
 from ..adapter import TorchOptimizer
 from .hooks import ModuleHooks
 from .params import ParamShards
-from ...sharding.plan import ShardPlan, plan_shards
 from .step import ShardedTorchStep
 
 __all__ = ["FullyShardedTorchStep"]

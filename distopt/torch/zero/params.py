@@ -31,9 +31,9 @@ import numpy as np
 
 from ...core._array import xp_of
 from ...core.buckets import Bucket
-from ..adapter import as_array
 from ...sharding import frame
 from ...sharding.plan import ShardPlan
+from ..adapter import as_array
 
 __all__ = ["ParamShards", "Gathered", "raw_array"]
 

@@ -5,9 +5,9 @@ from typing import Any, Callable, Sequence
 
 from ...comm.consensus import agree, gather_objects
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError
+from ...sharding.shard_state import check_shards, consolidate
 from ..adapter import TorchOptimizer
 from ..sink import GradientSink
-from ...sharding.shard_state import check_shards, consolidate
 from .step import ShardedTorchStep, check_elementwise
 
 __all__ = ["ShardedState", "torch_sharding"]

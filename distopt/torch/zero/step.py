@@ -35,15 +35,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...comm.consensus import gather_objects
+from ...sharding.gather import ParamGather
+from ...sharding.plan import ShardPlan
+from ...sharding.shard_state import consolidate
+from ...sharding.sync import PieceUpdate, ShardedStep
 from ...step.outcome import Outcome
 from ...step.pipeline import BucketPipeline
 from ..adapter import TorchOptimizer, as_array, as_tensor
 from ..sink import GradientSink
 from .clip import ShardedClip
-from ...sharding.gather import ParamGather
-from ...sharding.plan import ShardPlan
-from ...sharding.shard_state import consolidate
-from ...sharding.sync import PieceUpdate, ShardedStep
 
 __all__ = ["ShardedTorchStep", "check_elementwise", "sharded_grad",
            "is_sharded_grad", "ELEMENTWISE"]

@@ -57,7 +57,7 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
         zero: the requested stage.
         strategy: the held strategy.
         array_opt: the array optimizer (None for a PyTorch one, checked by
-            :func:`distopt.torch.zero.step.check_elementwise`).
+            :func:`distopt.torch.zero.placeholder.check_elementwise`).
         overlap_param_gather: the option of the same name.
 
     Raises:

@@ -2,7 +2,9 @@
 :mod:`distopt.sharding`.
 
 * :mod:`~distopt.torch.zero.step`: the shard tensors the inner optimizer
-  steps, ``.grad`` placeholders, the parameters' all-gather after the update;
+  steps, the parameters' all-gather after the update;
+* :mod:`~distopt.torch.zero.placeholder`: what is refused (a non-elementwise
+  update, any use of ``.grad`` at ``zero=2|3``);
 * :mod:`~distopt.torch.zero.state`: checkpoints (consolidated or per rank)
   and the wiring of a stage (:func:`~distopt.torch.zero.state.torch_sharding`);
 * :mod:`~distopt.torch.zero.clip`: clipping by the global norm of the shards;

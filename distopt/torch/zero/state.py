@@ -8,7 +8,8 @@ from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...sharding.shard_state import check_shards, consolidate
 from ..adapter import TorchOptimizer
 from ..sink import GradientSink
-from .step import ShardedTorchStep, check_elementwise
+from .placeholder import check_elementwise
+from .step import ShardedTorchStep
 
 __all__ = ["ShardedState", "torch_sharding"]
 

@@ -21,36 +21,9 @@ This is PyTorch's one route (hook -> follower -> runner -> engine -> pipeline ->
 ``backward_and_update``, SINGA's methods and ``join()``'s shadow steps included; on CUDA on torch's
 current stream. With ``model=``, errors name parameters by module path.
 
-Rules:
-
-* Only parameters with ``requires_grad`` are hooked and laid out; the
-  layout follows ``requires_grad`` changes between steps on every rank, and
-  frozen parameters never move.
-* Accumulation: inside ``with opt.no_sync():``, or for the first ``k - 1``
-  backward passes of ``backward_passes_per_step=k``, gradients accumulate in
-  ``.grad`` locally; the next backward outside (the k-th) averages the
-  accumulated sum. With ``loss / k`` and ``zero_grad()`` once per update
-  this equals the full-batch update.
-* A step skipped by ``check_finite`` leaves every ``.grad`` (of a tensor
-  some rank had a gradient for) filled with NaN, the non-finite average DDP
-  would hold, on every rank and at every ``zero`` stage: ``GradScaler``'s
-  ``unscale_`` finds the inf, skips the step and halves the scale alike
-  everywhere; the following ``step()`` changes nothing (its pre-hook sets
-  these gradients to None first), nor does ``zero_grad()`` keep them.
-* A backward that raises leaves its started reductions in buffers the pipeline owns (never in
-  ``.grad``); they are completed and dropped before the next reduction, on every rank. With
-  ``gradient_as_bucket_view`` those buffers ARE the ``.grad`` memory: the started reductions write the
-  sum of the ranks' partial gradients there when they complete (at the next ``DistOpt.zero_grad()``,
-  ``step()`` or backward); ``DistOpt.zero_grad()`` completes them before it zeroes or drops them.
-* ``gradient_as_bucket_view`` (PyTorch DDP's): see :mod:`distopt.torch.bucket_views`.
-* Sparse gradients (``nn.Embedding(sparse=True)``) are averaged as sparse after the buckets, in the
-  same reduction (:mod:`distopt.torch.sparse`); ``sparse_as_dense=True`` densifies them.
-* Activation checkpointing: a reentrant checkpoint runs its block's backward as a nested backward (a
-  parameter of a block used twice gets two gradient hooks); gradients from a nested backward are packed
-  when the outer backward ends, so every use is summed, and a step still makes one reduction.
-* Several DistOpts over overlapping parameters (a GAN, a second optimizer
-  over a subset): each tensor is averaged by the first follower built over
-  it; the others leave its gradient alone and step it with that average.
+The rules it keeps (frozen parameters, accumulation, skipped steps, a backward that raises, bucket
+views, sparse gradients, activation checkpointing, overlapping DistOpts) are in ``docs/design.md``,
+"The PyTorch follower's rules".
 """
 from __future__ import annotations
 

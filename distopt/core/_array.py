@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["xp_of", "is_cupy", "cupy_major", "any_not_finite"]
+__all__ = ["xp_of", "is_cupy", "cupy_major", "any_not_finite", "all_zero"]
 
 
 def is_cupy(array: Any) -> bool:
@@ -58,3 +58,16 @@ def _host_finite(array: np.ndarray) -> bool:
     if np.isfinite(float(total)):
         return True
     return bool(np.isfinite(array).all())
+
+
+def all_zero(array: Any) -> bool:
+    """True when every element of a host array is zero (or it has none), read in growing slices from its start."""
+    flat = array.reshape(-1)
+    if flat.size and flat[0] != 0:
+        return False
+    start, step = 0, 64
+    while start < flat.size:
+        if flat[start:start + step].any():
+            return False
+        start, step = start + step, step * 8
+    return True

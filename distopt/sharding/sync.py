@@ -2,7 +2,10 @@
 
 The step engine holds one :class:`BucketSync` for its life, chosen by
 :func:`bucket_sync`; each step's pipeline holds the :class:`StepSync` it
-begins. Everything that differs between the stages is here:
+begins. They are policies: the pipeline and the engine read no flag of a
+stage, they ask its sync (which collective, where its result lands, whether
+the reduction may settle the step, what the finiteness vote covers).
+Everything that differs between the stages is here:
 
 =====================  ==========================  ==========================  ===========================
                        replicated (``zero=0``)     stage 1                     stage 2
@@ -37,11 +40,11 @@ import numpy as np
 
 from ..comm.base import Communicator, ShardingCommunicator
 from ..comm.lifecycle import Completed
-from ..core._array import any_not_finite
+from ..core._array import all_zero, any_not_finite
+from ..core.bucket_run import BucketRun
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
 from ..strategies.base import Strategy
-from ..core.bucket_run import BucketRun
 from .gather import ParamGather
 from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
 
@@ -71,13 +74,6 @@ class StepSync:
         launch: starts an all-reduce, ``launch(array, op)`` (the pipeline's launcher).
     """
 
-    #: The header may leave the step's outcome to the reduced gradients (bitwise equal on every rank).
-    settles_from_reduced = True
-    #: A bucket's collective leaves its result in the bucket's flat buffer (``BucketContext.out``).
-    in_place = True
-    #: Every step votes after the reduction, and the vote may carry the gradient flags
-    #: (:meth:`~distopt.step.outcome.Agreement.on_reduced`).
-    settles_in_vote = False
 
     def __init__(self, launch: Any) -> None:
         self.launch = launch
@@ -88,6 +84,28 @@ class StepSync:
     def launcher(self, b: int) -> Callable[[Any, str], Any]:  # noqa: ARG002 (one launcher for every bucket)
         """Bucket ``b``'s collective: an all-reduce whose handle's ``wait()`` reduces in place."""
         return self.launch
+
+    def out(self, run: BucketRun) -> Any:
+        """Where a bucket's collective leaves its result (``BucketContext.out``): in place, its flat buffer."""
+        return run.flat
+
+    def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
+                       reduced: Callable[[int], Any], active: bool) -> Any:
+        """The outcome of a step the header left pending, once its buckets are finished (the reduced values
+        are bitwise equal on every rank): every float gradient present when none reduced to all zeros, else
+        the gradient flags' all-reduce from this rank's own gradients.
+
+        Args:
+            agreement: the step's :class:`~distopt.step.outcome.Agreement`.
+            params: the step's parameters.
+            own: this rank's own gradients (None where it had none).
+            reduced: ``reduced(i)``: parameter ``i``'s reduced gradient.
+            active: this rank steps (not a joined rank's shadow).
+        """
+        for i, p in enumerate(params):
+            if is_float(p) and all_zero(reduced(i)):
+                return agreement.on_gradients(params, own, active)
+        return agreement.all_present(params)
 
     def poll(self, run: BucketRun) -> Any:  # noqa: ARG002 (nothing to release)
         """A bucket's handle to keep in place of its started one once its buffer may be dropped; None: keep it."""
@@ -188,9 +206,6 @@ class ShardedStep(PieceUpdate):
             :attr:`~distopt.core.bucket_run.BucketRun.segment`).
     """
 
-    settles_from_reduced = False  # each rank sees only its own segments
-    in_place = False  # a reduce-scatter's result is a new array, the segment
-    settles_in_vote = True
     keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
 
     def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
@@ -210,6 +225,20 @@ class ShardedStep(PieceUpdate):
 
     def _landed(self) -> list[Any]:
         return [run.segment for run in self.runs if run.segment is not None]
+
+    def out(self, run: BucketRun) -> Any:  # noqa: ARG002
+        """None: a reduce-scatter's result is a new array, the segment."""
+        return None
+
+    def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
+                       reduced: Callable[[int], Any], active: bool) -> Any:  # noqa: ARG002
+        """Each rank sees only its own segments: the outcome and the vote on them settle in one all-reduce
+        (:meth:`~distopt.step.outcome.Agreement.on_reduced`)."""
+        mine = self.bad_here([], [g is not None for g in own])
+        outcome, bad = agreement.on_reduced(params, own, active, mine)
+        if self.settle(bad, agreement.check_finite) and not outcome.skipped:
+            agreement.skip(outcome)
+        return outcome
 
     def launcher(self, b: int) -> Callable[[Any, str], Any]:
         """Bucket ``b``'s collective: a reduce-scatter whose handle's ``wait()`` returns this rank's segment."""
@@ -262,10 +291,12 @@ class BucketSync:
     """The replicated stage (``zero=0``): the engine's policy for its layouts and steps."""
 
     stage = 0
-    #: See :attr:`StepSync.settles_from_reduced`.
-    settles_from_reduced = True
-    #: See :attr:`StepSync.settles_in_vote`: the header may leave a step's outcome to the vote.
-    settles_in_vote = False
+
+    def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
+        """Whether the step header may leave which gradients exist to the reduced values (a pending step,
+        :meth:`StepSync.settle_pending`): replicated, when the reduced values are bitwise equal on every
+        rank (the strategy keeps replicas identical, NumPy arrays) and nothing must be checked first."""
+        return not check_finite and strategy.identical_replicas and all(isinstance(p, np.ndarray) for p in params)
 
     def check(self, strategy: Strategy) -> None:
         """Refuse a strategy this stage cannot run (see :func:`~distopt.sharding.plan.check_strategy`)."""
@@ -302,9 +333,12 @@ class ShardedSync(BucketSync):
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
-        self.settles_from_reduced = stage == 1  # stage 2: each rank sees only its own segments
-        self.settles_in_vote = stage >= 2  # ... and votes on them at every step
         self._pieces: tuple[Any, list[Any]] | None = None
+
+    def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
+        """Stage 1 as the replicated stage; stage 2 and 3 always (their vote on the segments, taken at every
+        step, carries the gradient flags)."""
+        return self.stage >= 2 or super().reduction_settles(check_finite, strategy, params)
 
     def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:
         key = (id(plan), tuple(id(p) for p in params))

@@ -167,9 +167,7 @@ class Engine:
         if grads is not None:
             unsettled = 2 * any(g is None for p, g in zip(params, grads) if is_float(p))
         else:
-            unsettled = 1 if self.sync.settles_in_vote or (
-                not self.check_finite and self.sync.settles_from_reduced and strategy.identical_replicas
-                and all(isinstance(p, np.ndarray) for p in params)) else 2
+            unsettled = 1 if self.sync.reduction_settles(self.check_finite, strategy, params) else 2
         bad = self.check_finite and not unsettled and not_finite(grads)  # type: ignore[arg-type]
         header = np.array([self._specs_digest[1], digest(full), int(specs != self._specs), int(joined),
                            unsettled, int(bad), 0 if groups is None else groups.digest, int(shadow)],

@@ -22,7 +22,7 @@ from ..core.buckets import is_float
 from ..core.counters import Counters
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 
-__all__ = ["Outcome", "Pending", "Agreement", "all_zero", "not_finite"]
+__all__ = ["Outcome", "Pending", "Agreement", "not_finite"]
 
 
 @dataclass
@@ -50,19 +50,6 @@ class Outcome:
 class Pending(Outcome):
     """The header's outcome of a step whose reduction settles which gradients exist (nobody joined; host
     arrays and no ``check_finite``, or a sync that votes at every step: see :mod:`distopt.step.engine`)."""
-
-
-def all_zero(array: Any) -> bool:
-    """True when every element of a host array is zero (or it has none), read in growing slices from its start."""
-    flat = array.reshape(-1)
-    if flat.size and flat[0] != 0:
-        return False
-    start, step = 0, 64
-    while start < flat.size:
-        if flat[start:start + step].any():
-            return False
-        start, step = start + step, step * 8
-    return True
 
 
 def not_finite(grads: Sequence[Any]) -> bool:
@@ -154,6 +141,11 @@ class Agreement:
             self.comm.all_reduce(flag, op="max")
         self.counters.control_collectives += 1
         return bool(flag[0])
+
+    def all_present(self, params: Sequence[Any]) -> Outcome:
+        """Every float parameter has a gradient on every rank (no rank joined): the outcome of a step the
+        reduced values settled without another collective."""
+        return Outcome([is_float(p) for p in params], self.comm.size, False)
 
     def skip(self, outcome: Outcome) -> None:
         """Mark ``outcome`` skipped after the reduction (counted once)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..core._array import xp_of
-from ..core.buckets import Bucket, is_float, put
+from ..core.buckets import Bucket, put
 from ..comm.base import Communicator
 from ..comm.launcher import Launcher
 from ..comm.lifecycle import profile_range
@@ -28,7 +28,7 @@ from ..core.counters import Counters
 from ..sharding.sync import StepSync
 from ..strategies.base import BucketContext, Strategy
 from ..core.bucket_run import BucketRun, RunState
-from .outcome import Agreement, Outcome, Pending, all_zero
+from .outcome import Agreement, Outcome, Pending
 
 __all__ = ["BucketPipeline", "IN_FLIGHT"]
 
@@ -96,7 +96,7 @@ class BucketPipeline:
     def _ctx(self, run: BucketRun) -> BucketContext:
         """A bucket's context, its collective the one the step's sync chose."""
         return BucketContext(run.index, len(self.runs), self.key, run.bucket, run.viewed, self.comm,
-                             self.sync.launcher(run.index), self.counters, run.flat if self.sync.in_place else None)
+                             self.sync.launcher(run.index), self.counters, self.sync.out(run))
 
     def _where(self, run: BucketRun) -> str:
         return run.describe(len(self.runs))
@@ -183,36 +183,18 @@ class BucketPipeline:
         return outcome
 
     def _settle_from_reduced(self, grads: list[Any], active: bool) -> Outcome:
-        """Finish a pending step's buckets (nobody joined: divided by the world size), then its outcome:
-        every float gradient present when none reduced to all zeros (the same answer on every rank, the
-        reduced values being the same), else the gradient flags' all-reduce, from this rank's own ``grads``."""
-        if self.sync.settles_in_vote:
-            return self._settle_in_vote(grads, active)
-        had = [g is not None for g in grads]
-        self.finish(grads, self.comm.size)
-        for i, p in enumerate(self.params):
-            if not is_float(p):
-                continue
-            reduced = grads[i]
-            if reduced is None:  # a bucket view's slot: the gradient is its flat buffer, never unpacked
-                run, s = self.where[i]
-                reduced = run.flat[s.offset:s.offset + s.size]
-            if all_zero(reduced):
-                return self.agreement.on_gradients(self.params, [g if h else None for g, h in zip(grads, had)],
-                                                   active)
-        return Outcome([is_float(p) for p in self.params], self.comm.size, False)
-
-    def _settle_in_vote(self, grads: list[Any], active: bool) -> Outcome:
-        """Finish a pending step's buckets (nobody joined: divided by the world size), then settle its
-        outcome and the vote on the reduced values in one all-reduce (a sync that votes at every step)."""
+        """Finish a pending step's buckets (nobody joined: divided by the world size), then let the step's
+        sync settle its outcome from the reduced values (:meth:`~distopt.sharding.sync.StepSync.settle_pending`)."""
         own = list(grads)  # this rank's own gradients (None where it had none)
         self.finish(grads, self.comm.size)
-        agreement = self.agreement
-        mine = self.sync.bad_here(grads, [g is not None for g in own])
-        outcome, bad = agreement.on_reduced(self.params, own, active, mine)
-        if self.sync.settle(bad, agreement.check_finite) and not outcome.skipped:
-            agreement.skip(outcome)
-        return outcome
+        return self.sync.settle_pending(self.agreement, self.params, own, lambda i: self._reduced(i, grads), active)
+
+    def _reduced(self, i: int, grads: list[Any]) -> Any:
+        """Parameter ``i``'s reduced gradient: ``grads[i]``, or a bucket view's slot (never unpacked)."""
+        if grads[i] is not None:
+            return grads[i]
+        run, s = self.where[i]
+        return run.flat[s.offset:s.offset + s.size]
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
         """Start every bucket not started yet, in order; missing gradients pack as zeros.

@@ -56,7 +56,7 @@ class BucketRun:
         """``bucket i of n (size elements of dtype)``, for errors."""
         return f"bucket {self.index + 1} of {count} ({self.bucket.size} elements of {self.bucket.dtype})"
 
-    def drop(self, buffers: dict[int, Any]) -> None:
-        """Let go of the flat buffer (its result lives on elsewhere), and of the layout's buffer for it."""
+    def drop(self, buffers: list[Any]) -> None:
+        """Let go of the flat buffer (its result lives on elsewhere), and of the step's buffer for it."""
         self.flat, self.viewed = None, False
-        buffers.pop(self.index, None)
+        buffers[self.index] = None

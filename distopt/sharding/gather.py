@@ -26,7 +26,7 @@ class ParamGather:
         buckets: the layout's float buckets.
         plan: the layout's :class:`ShardPlan`.
         params: the parameters (arrays), in the step's order.
-        buffers: packing buffers by bucket index (reused; with ``keep``, new
+        buffers: packing buffers, per bucket (None: none yet; reused; with ``keep``, new
             ones are added).
         context: wraps collective errors with the step and the bucket.
         asynchronous: start every gather now and complete each at
@@ -45,7 +45,7 @@ class ParamGather:
     """
 
     def __init__(self, comm: Communicator, buckets: Sequence[Bucket], plan: ShardPlan, params: Sequence[Any],
-                 buffers: dict[int, Any], context: Callable[[str], Any], asynchronous: bool, keep: bool = True
+                 buffers: list[Any], context: Callable[[str], Any], asynchronous: bool, keep: bool = True
                  ) -> None:
         self.comm, self.buckets, self.plan, self.params = comm, buckets, plan, list(params)
         self.buffers, self.context, self.asynchronous, self.keep = buffers, context, asynchronous, keep
@@ -61,7 +61,7 @@ class ParamGather:
         native = getattr(self.comm, "all_gather_into_async", None) if self.asynchronous else None
         for b in reversed(range(len(self.buckets))):
             bucket = self.buckets[b]
-            buffer = self.buffers.get(b)
+            buffer = self.buffers[b]
             if buffer is None and not (self.keep or self.asynchronous):
                 buffer = self._scratch_for(bucket)
             flat, viewed = pack(bucket, self.params, buffer)

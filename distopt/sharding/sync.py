@@ -169,7 +169,7 @@ class PieceUpdate(StepSync):
     #: The buffers of a step are the layout's, kept from step to step (the gather may add to them).
     keeps_buffers = True
 
-    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
+    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: list[Any],
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,
                  pieces: Callable[[list[Any]], list[Any]]) -> None:
         super().__init__(launch)
@@ -208,7 +208,7 @@ class ShardedStep(PieceUpdate):
 
     keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
 
-    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: dict[int, Any],
+    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: list[Any],
                  comm: Communicator, context: Callable[[str], Any], counters: Counters,
                  pieces: Callable[[list[Any]], list[Any]]) -> None:
         super().__init__(launch, plan, buckets, buffers, comm, context, counters, pieces)
@@ -310,11 +310,12 @@ class BucketSync:
         """The shard plan of a new layout (None: replicated)."""
         return None
 
-    def buffers(self, layout_buffers: dict[int, Any]) -> dict[int, Any]:
-        """The packing buffers a step may use: the layout's, kept from step to step."""
+    def buffers(self, layout_buffers: list[Any]) -> list[Any]:
+        """The packing buffers a step may use (per bucket; None: none yet): the layout's, kept from step to
+        step."""
         return layout_buffers
 
-    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
+    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: list[Any],
               comm: Communicator, context: Callable[[str], Any], counters: Counters) -> StepSync:  # noqa: ARG002
         """The :class:`StepSync` of one step."""
         return StepSync(launch)
@@ -350,11 +351,11 @@ class ShardedSync(BucketSync):
         """Split every bucket over the ranks (:func:`~distopt.sharding.plan.plan_shards`)."""
         return plan_shards(buckets, rank, size)
 
-    def buffers(self, layout_buffers: dict[int, Any]) -> dict[int, Any]:
+    def buffers(self, layout_buffers: list[Any]) -> list[Any]:
         """Stage 2: a bucket's buffer lives only until its reduce-scatter completes (new ones per step)."""
-        return {} if self.stage >= 2 else layout_buffers
+        return [None] * len(layout_buffers) if self.stage >= 2 else layout_buffers
 
-    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: dict[int, Any],
+    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: list[Any],
               comm: Communicator, context: Callable[[str], Any], counters: Counters) -> PieceUpdate:
         assert plan is not None
         kind = ShardedStep if self.stage >= 2 else PieceUpdate

@@ -69,16 +69,20 @@ FIRST_BUCKET = 262144
 class _Layout:
     """One bucket layout of the current parameter list, with its packing buffers.
 
-    ``buffers`` maps a bucket index to its flat buffer (``bucket.size``
-    elements of ``bucket.dtype``), allocated once and kept while the layout
-    lives; with ``gradient_as_bucket_view`` they are the gradients' memory
-    (each ``.grad`` a view into one), allocated by the PyTorch adapter.
+    ``buffers`` holds, per bucket, its flat buffer (``bucket.size``
+    elements of ``bucket.dtype``) or None until one is needed, allocated
+    once and kept while the layout lives; with ``gradient_as_bucket_view``
+    they are the gradients' memory (each ``.grad`` a view into one),
+    allocated by the PyTorch adapter.
     """
 
     key: int
     buckets: list[Bucket]
-    buffers: dict[int, Any] = field(default_factory=dict)
     shards: ShardPlan | None = None
+    buffers: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.buffers = [None] * len(self.buckets)
 
 
 class Engine:

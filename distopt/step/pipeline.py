@@ -77,7 +77,7 @@ class BucketPipeline:
             or this rank's segment of a sharded step).
     """
 
-    def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: dict[int, Any], key: int,
+    def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: list[Any], key: int,
                  params: Sequence[Any], launch: Launcher, comm: Communicator, counters: Counters,
                  agreement: Agreement, views: bool = True, bucket_view: bool = False,
                  settled: Any = None, sync: StepSync | None = None) -> None:
@@ -112,7 +112,7 @@ class BucketPipeline:
         elif self.views and bucket.alone and grad is not None and grad.flags.c_contiguous:
             run.flat, run.viewed = grad.reshape(-1), True
         else:
-            buf = self.buffers.get(b)
+            buf = self.buffers[b]
             if buf is None:
                 ref = self.params[bucket.slots[0].index]
                 buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)

@@ -157,7 +157,7 @@ class StepRunner:
         held = 0
         layout = self.engine.layout
         if layout is not None:
-            held = sum(int(b.nbytes) for b in layout.buffers.values())
+            held = sum(int(b.nbytes) for b in layout.buffers if b is not None)
         grads = getattr(self.local, "grad_bytes", None)
         self.counters.gradient_bytes = held + self._held() + (grads() if callable(grads) else 0)
 

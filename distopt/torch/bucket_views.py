@@ -51,7 +51,8 @@ class BucketViews:
         owner = (pipeline.buffers, tuple(id(t) for t in tensors))
         if self._owner is not None and self._owner[0] is owner[0] and self._owner[1] == owner[1]:
             return
-        pipeline.buffers.clear()  # never reuse memory a parameter no longer trained may still hold as .grad
+        pipeline.buffers[:] = [None] * len(pipeline.buffers)  # never reuse memory a parameter no longer
+        # trained may still hold as .grad
         views: list[Any] = [None] * len(tensors)
         for b, bucket in enumerate(pipeline.buckets):
             ref = tensors[bucket.slots[0].index]

@@ -32,9 +32,9 @@ def case_gather(rank: int, comm, keep: bool) -> tuple[list[np.ndarray], int]:
     params = [np.full(s, np.nan, dtype=np.float32) for s in SHAPES]
     for p in plan.pieces:
         params[p.index].reshape(-1)[p.start:p.stop] = rank + 1
-    buffers: dict[int, np.ndarray] = {}
+    buffers: list[np.ndarray | None] = [None] * len(buckets)
     ParamGather(comm, buckets, plan, params, buffers, lambda what: contextlib.nullcontext(), False, keep).start()
-    return params, len(buffers)
+    return params, sum(b is not None for b in buffers)
 
 
 def _gather_peak(keep: bool) -> int:
@@ -45,7 +45,8 @@ def _gather_peak(keep: bool) -> int:
     params = [np.ones(s, dtype=np.float32) for s in SHAPES]
     tracemalloc.start()
     try:
-        ParamGather(comm, buckets, plan, params, {}, lambda what: contextlib.nullcontext(), False, keep).start()
+        ParamGather(comm, buckets, plan, params, [None] * len(buckets), lambda what: contextlib.nullcontext(), False,
+                    keep).start()
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

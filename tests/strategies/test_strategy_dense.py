@@ -68,8 +68,8 @@ def test_bucket_sync_divides_a_viewed_bucket_in_place_and_a_packed_one_while_unp
         grad = np.array([1.0, 2.0, 4.0]) * (rank + 1)
         buckets = plan_buckets([((3,), np.dtype(np.float64))], 1, 3)
         counters = Counters()
-        pipeline = BucketPipeline(Dense(), buckets, {}, 0, [np.zeros(3)], Launcher(comm), comm, counters,
-                                  Agreement(comm, counters, False, True), views=views)
+        pipeline = BucketPipeline(Dense(), buckets, [None] * len(buckets), 0, [np.zeros(3)], Launcher(comm), comm,
+                                  counters, Agreement(comm, counters, False, True), views=views)
         grads = [grad]
         pipeline.ready(0, grad)
         pipeline.launch_rest(grads)

@@ -136,7 +136,7 @@ def same(a: list[Any], b: list[Any]) -> bool:
 
 def buffers_of(opt: DistOpt) -> list[Any]:
     """The engine's bucket buffers (arrays), every layout."""
-    return [buf for layout in opt.engine._layouts.values() for buf in layout.buffers.values()]
+    return [buf for layout in opt.engine._layouts.values() for buf in layout.buffers if buf is not None]
 
 
 # ---------------------------------------------------------------- 1. bitwise

@@ -64,9 +64,10 @@ def describe(row: Sequence[int], names: Mapping[int, str]) -> str:
             f"{int(row[3])} bucket(s) from {int(row[4])}")
 
 
-def mismatch(everyone: Any, names: Mapping[int, str] | Callable[[], Mapping[int, str]]) -> CollectiveMismatchError:
-    """The error for frames that differ: every rank's :func:`describe`."""
-    named = names() if callable(names) else names
+def mismatch(everyone: Any, names: Callable[[], Mapping[int, str]]) -> CollectiveMismatchError:
+    """The error for frames that differ: every rank's :func:`describe` (``names()``: module position -> name,
+    asked only when the frames differ)."""
+    named = names()
     seen = "; ".join(f"rank {r}: {describe(row, named)}" for r, row in enumerate(everyone))
     return CollectiveMismatchError(f"zero=3: the ranks gather different parameters ({seen}): a module's forward "
                                    "or backward ran on some ranks only; every rank must run the same modules in "

@@ -1,10 +1,9 @@
 """distopt: data-parallel training by wrapping your optimizer.
 
-``DistOpt(opt)`` averages gradients across all workers each step (fused
-all-reduce over MPI, NCCL, shared memory or torch.distributed), then lets
-the local optimizer update. ``distopt.init()`` joins the job before any
-optimizer exists (e.g. to scale the learning rate by the world size). See the README and ``docs/`` for the launch modes and strategies.
-"""
+``DistOpt(opt)`` averages gradients across all workers each step (fused all-reduce over MPI, NCCL, shared memory or
+torch.distributed), then lets the local optimizer update. ``distopt.init()`` joins the job before any optimizer exists
+(e.g. to scale the learning rate by the world size). See the README and ``docs/`` for the launch modes and
+strategies."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,32 +17,15 @@ from .launch.logs import setup_logging
 from .opt import DistOpt
 from .launch.nccl_id import NcclIdHolder
 from .optim import SGD
+from .sharding.shard_state import ShardStream
 from .comm.groups import Group
 from .launch.world import World, init, new_group
 
 __all__ = [
-    "DistOpt",
-    "SGD",
-    "NcclIdHolder",
-    "save",
-    "load",
-    "DistributedSampler",
-    "partition",
-    "partition_indices",
-    "eval_partition_indices",
-    "DistOptError",
-    "BackendUnavailableError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "CommunicatorClosedError",
-    "setup_logging",
-    "init",
-    "World",
-    "Group",
-    "new_group",
-    "CollectiveHandle",
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
+    "DistOpt", "SGD", "NcclIdHolder", "save", "load", "DistributedSampler", "partition", "partition_indices",
+    "eval_partition_indices", "DistOptError", "BackendUnavailableError", "CollectiveMismatchError",
+    "CollectiveTimeoutError", "CommunicatorClosedError", "setup_logging", "init", "World", "Group", "new_group",
+    "CollectiveHandle", "ShardStream", "SyncBatchNorm", "convert_sync_batchnorm",
 ]
 __version__ = "0.1.0"
 

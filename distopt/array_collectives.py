@@ -1,19 +1,12 @@
 """The checked collectives on one array or tensor: argument agreement across ranks, then the backend call.
 
-Every function here takes the communicator first and is what both the
-blocking and the asynchronous forms of ``DistOpt.all_reduce`` and its
-siblings run (see :class:`~distopt.collectives.Collectives`). Each call first
-agrees on its arguments (:func:`~distopt.comm.consensus.agree`): one small
-all-gather of ``(argument error?, digest of the collective, shape, dtype and
-arguments, first dimension)`` per rank. A bad argument on one rank
-(``"<call> on rank <r>: <error>"``), or a collective, shape, dtype or
-argument that differs (``"<call>: <field> differs across ranks (rank 0:
-<value>, ...)"``), then raises the same exception on every rank (after one
-more all-gather of the full descriptions, for the message), and no data moves.
-
-Arrays: NumPy, CuPy (the NCCL backend), or torch tensors (viewed as NumPy
-or CuPy without a copy, results returned as tensors of the input's dtype and
-device). Sizes are in ELEMENTS unless stated otherwise.
+What both the blocking and the asynchronous forms of ``DistOpt.all_reduce`` and its siblings run (see
+:class:`~distopt.collectives.Collectives`). Each call first agrees on its arguments
+(:func:`~distopt.comm.consensus.agree`: one small all-gather of ``(argument error?, digest of the collective, shape,
+dtype and arguments, first dimension)`` per rank). A bad argument on one rank (``"<call> on rank <r>: <error>"``), or
+a collective, shape, dtype or argument that differs (``"<call>: <field> differs across ranks (rank 0: <value>,
+...)"``), then raises the same exception on every rank, and no data moves. Arrays: NumPy, CuPy (the NCCL backend), or
+torch tensors (viewed without a copy, results returned as tensors of the input's dtype and device); sizes in ELEMENTS.
 """
 from __future__ import annotations
 
@@ -32,8 +25,8 @@ def all_reduce(comm: Communicator, array: Any, op: str = "sum") -> Any:
     """In-place all-reduce of ``array`` (any shape; ``op`` in sum, avg, max, min); returns ``array``.
 
     Raises:
-        TypeError: on every rank, naming the rank: ``op="avg"`` on an
-            integer or bool array, a non-contiguous or sparse tensor, not an array.
+        TypeError: on every rank, naming the rank: ``op="avg"`` on an integer or bool array, a non-contiguous or
+            sparse tensor, not an array.
         ValueError: on every rank, an unknown ``op``.
         CollectiveMismatchError: on every rank, the shape, dtype or op differs across ranks.
     """
@@ -57,15 +50,14 @@ def broadcast(comm: Communicator, array: Any, root: int = 0) -> Any:
 def all_gather(comm: Communicator, array: Any) -> Any:
     """Every rank's rows, in rank order: a new array of shape ``(sum of the ranks' shape[0], *shape[1:])``.
 
-    The first dimension may differ across ranks (0 allowed); the other
-    dimensions and the dtype must not. Equal first dimensions travel in the
-    backend's ``all_gather``, different ones in ``all_gather_v`` (flattened).
+    The first dimension may differ across ranks (0 allowed); the other dimensions and the dtype must not. Equal first
+    dimensions travel in the backend's ``all_gather``, different ones in ``all_gather_v`` (flattened).
 
     Raises:
         ValueError: on every rank, a 0-d array on some rank.
         TypeError: on every rank, a non-contiguous or sparse tensor, not an array.
-        CollectiveMismatchError: on every rank, ``shape[1:]`` or the dtype
-            differs; the message names the ranks and their full shapes.
+        CollectiveMismatchError: on every rank, ``shape[1:]`` or the dtype differs; the message names the ranks and
+            their full shapes.
     """
     return all_gather_rows(comm, array)[0]
 
@@ -83,11 +75,10 @@ def all_gather_rows(comm: Communicator, array: Any) -> tuple[Any, list[int]]:
 
 
 def reduce_scatter(comm: Communicator, array: Any, op: str = "sum") -> Any:
-    """This rank's chunk of the reduction: ``array``'s first dimension is split into ``size`` equal
-    chunks (as ``torch.distributed.reduce_scatter_tensor``) and chunk ``rank`` of the elementwise
-    reduction over ranks is returned, a new array of shape ``(shape[0] // size, *shape[1:])``.
-
-    ``array`` is not changed (the backend works on a copy: one array's worth of extra memory).
+    """This rank's chunk of the reduction: ``array``'s first dimension is split into ``size`` equal chunks (as
+    ``torch.distributed.reduce_scatter_tensor``) and chunk ``rank`` of the elementwise reduction over ranks is
+    returned, a new array of shape ``(shape[0] // size, *shape[1:])``. ``array`` is not changed (the backend works on
+    a copy: one array's worth of extra memory).
 
     Raises:
         ValueError: on every rank, ``shape[0]`` not divisible by the world size (or a 0-d array), an unknown op.
@@ -103,9 +94,9 @@ def reduce_scatter(comm: Communicator, array: Any, op: str = "sum") -> Any:
 
 
 def all_to_all(comm: Communicator, array: Any) -> Any:
-    """``array``'s first dimension split into ``size`` equal chunks; chunk ``j`` goes to rank ``j``
-    (as ``torch.distributed.all_to_all_single`` without split sizes). Returns a new array of
-    ``array``'s shape and dtype whose chunk ``i`` is rank ``i``'s chunk ``rank``.
+    """``array``'s first dimension split into ``size`` equal chunks; chunk ``j`` goes to rank ``j`` (as
+    ``torch.distributed.all_to_all_single`` without split sizes). Returns a new array of ``array``'s shape and dtype
+    whose chunk ``i`` is rank ``i``'s chunk ``rank``.
 
     Raises:
         ValueError / TypeError / CollectiveMismatchError: as :func:`reduce_scatter`.
@@ -154,8 +145,8 @@ def _check(comm: Communicator, call: str, view: Any, args: dict[str, Any]) -> No
 
 
 def _agreed(comm: Communicator, call: str, array: Any, **args: Any) -> tuple[Any, list[int]]:
-    """The array view of ``array`` and every rank's first dimension, once every rank has checked its
-    arguments and they match (all_gather: beyond the first dimension); see the module docs."""
+    """The array view of ``array`` and every rank's first dimension, once every rank has checked its arguments and
+    they match (all_gather: beyond the first dimension); see the module docs."""
     view, problem = None, None
     try:
         view = _view(array)

@@ -1,26 +1,17 @@
 """Asynchronous public collectives: ``DistOpt.all_reduce(t, async_op=True)`` and its siblings.
 
-Every backend requires the collectives on one communicator to be issued in
-the same order on every rank, and the step engine issues its own on
-DistOpt's communicator from the main thread (``loss.backward(); opt.step()``
-while a metric all-reduce is in flight). So the asynchronous collectives run
-on a communicator of their own: at the first ``async_op=True`` call on a
-communicator (DistOpt's, or a process group's), every rank of it creates a
-dedicated communicator over the same ranks with
-:func:`distopt.comm.groups.split` (a collective on the parent, issued from
-the caller's thread, so it is ordered with the parent's other collectives:
-that first asynchronous call is a collective point of the parent, as the
-blocking form is). Then one FIFO worker thread (``concurrent.futures``, one
-for all communicators) runs the same checked code as the blocking form
-(:mod:`distopt.array_collectives`: argument agreement, then the backend
-call) on the dedicated communicator. Calls complete in the order they were
-started; many may be in flight. An error (a bad argument on one rank, a
-mismatch, a timeout) is raised by :meth:`CollectiveHandle.wait` on every rank.
+The step engine issues its own collectives on DistOpt's communicator from the main thread while a metric all-reduce may
+be in flight, and every backend needs one order of collectives per communicator on every rank. So at the first
+``async_op=True`` call on a communicator (DistOpt's, or a process group's) every rank of it creates a dedicated
+communicator over the same ranks with :func:`distopt.comm.groups.split` (a collective on the parent issued from the
+caller's thread, so ordered with its other collectives, as the blocking form is), and one FIFO worker thread (one for
+all communicators) runs the same checked code as the blocking form (:mod:`distopt.array_collectives`) on it. Calls
+complete in the order they were started; many may be in flight. An error (a bad argument on one rank, a mismatch, a
+timeout) is raised by :meth:`CollectiveHandle.wait` on every rank.
 
-In-place calls (all_reduce, broadcast) write into the caller's array when
-they run on the worker: do not read or write it before ``wait()``.
-Backends that cannot split (NCCL; a torch.distributed group of a group)
-raise at the first asynchronous call, on every rank alike.
+In-place calls (all_reduce, broadcast) write into the caller's array when they run on the worker: do not read or
+write it before ``wait()``. Backends that cannot split (NCCL; a torch.distributed group of a group) raise at the first
+asynchronous call, on every rank alike.
 """
 from __future__ import annotations
 
@@ -45,8 +36,8 @@ class CollectiveHandle:
         self._future, self.call = future, call
 
     def wait(self) -> Any:
-        """Block until the collective has run; return what the blocking form returns (callable more than
-        once). Raises what the blocking form raises, on every rank (bounded by the communicator's timeout)."""
+        """Block until the collective has run; return what the blocking form returns (callable more than once).
+        Raises what the blocking form raises, on every rank (bounded by the communicator's timeout)."""
         return self._future.result()
 
     def is_completed(self) -> bool:
@@ -93,8 +84,8 @@ class AsyncCollectives:
         return group.require(call)
 
     def close(self) -> None:
-        """Wait for the collectives in flight (each bounded by its timeout), stop the worker and close
-        the dedicated communicators; idempotent. Later submissions raise CommunicatorClosedError."""
+        """Wait for the collectives in flight (each bounded by its timeout), stop the worker and close the dedicated
+        communicators; idempotent. Later submissions raise CommunicatorClosedError."""
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -1,28 +1,17 @@
 """Differentiable collectives: ``all_reduce``, ``all_gather`` and ``broadcast`` that take part in autograd.
 
-The counterparts of ``torch.distributed.nn.functional``: each is a
-``torch.autograd.Function`` that returns a NEW tensor (out of place; the
-input is never written) and whose backward is itself a collective, so every
-rank must run backward through the same calls in the same order (as every
-rank runs the forward). The gradients are those of the global function (the
-loss is the sum of every rank's loss):
+The counterparts of ``torch.distributed.nn.functional``: each is a ``torch.autograd.Function`` that returns a NEW
+tensor (out of place; the input is never written) and whose backward is itself a collective, so every rank must run
+backward through the same calls in the same order. The gradients are those of the global function (the loss is the
+sum of every rank's loss); ``all_reduce``'s ``"max"``/``"min"`` are forward only (backward raises RuntimeError on
+every rank alike, no collective issued). Backward builds on these Functions again, so higher derivatives work. Float
+and complex tensors take gradients; integer tensors pass forward only.
 
-* ``all_reduce(x, "sum")``: the gradient is the all-reduce (sum) of the
-  gradients; ``"avg"``: their average. ``"max"``/``"min"`` forward only:
-  backward raises RuntimeError (on every rank alike, no collective issued).
-* ``all_gather(x)``: this rank's rows of the summed gradient.
-* ``broadcast(x, root)``: the gradients summed to ``root``; zeros elsewhere.
-
-Backward builds on these Functions again, so higher derivatives work.
-Float and complex tensors take gradients; integer tensors pass forward only.
-
-``comm=`` is a :class:`~distopt.comm.base.Communicator`, a
-:class:`~distopt.launch.world.World` or a ``DistOpt`` (anything with
-``.comm``), or a process group (:class:`~distopt.comm.groups.Group`, ValueError
-on a rank outside it); None: the :class:`~distopt.launch.world.World` of
-:func:`distopt.init` (joined now when there is none). Each forward runs the checked collective of ``DistOpt.all_reduce`` and its
-siblings (:mod:`distopt.array_collectives`: one small all-gather agrees on the
-arguments first), so a bad argument or a shape/dtype that differs raises on every rank.
+``comm=`` is a :class:`~distopt.comm.base.Communicator`, a :class:`~distopt.launch.world.World` or a ``DistOpt``
+(anything with ``.comm``), or a process group (:class:`~distopt.comm.groups.Group`, ValueError on a rank outside it);
+None: the :class:`~distopt.launch.world.World` of :func:`distopt.init` (joined now when there is none). Each forward
+runs the checked collective of ``DistOpt.all_reduce`` and its siblings (:mod:`distopt.array_collectives`), so a bad
+argument or a shape/dtype that differs raises on every rank.
 """
 from __future__ import annotations
 
@@ -57,7 +46,8 @@ def resolve(comm: Any, what: str = "collective") -> Communicator:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", comm: Any = None) -> torch.Tensor:
-    """A new tensor: the reduction of ``tensor`` over ranks (``op`` in sum, avg, max, min), differentiable.
+    """A new tensor: the reduction of ``tensor`` over ranks (``op`` in sum, avg, max, min), differentiable (the
+    gradient is the all-reduce of the gradients: their sum, or their average for ``"avg"``).
 
     Args:
         tensor: any shape and dtype the backend reduces, the same on every rank (``"avg"``: floats).
@@ -72,9 +62,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", comm: Any = None) -> torch
 def all_gather(tensor: torch.Tensor, comm: Any = None) -> torch.Tensor:
     """A new tensor of every rank's rows in rank order, shape ``(sum of the ranks' shape[0], *shape[1:])``.
 
-    The first dimension may differ across ranks (0 allowed); ``shape[1:]``
-    and the dtype must not. Differentiable: the gradient is this rank's rows
-    of the all-reduced (summed) gradient.
+    The first dimension may differ across ranks (0 allowed); ``shape[1:]`` and the dtype must not. Differentiable:
+    the gradient is this rank's rows of the all-reduced (summed) gradient.
 
     Raises:
         ValueError: a 0-d tensor. CollectiveMismatchError: ``shape[1:]`` or the dtype differs (naming the
@@ -84,8 +73,8 @@ def all_gather(tensor: torch.Tensor, comm: Any = None) -> torch.Tensor:
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0, comm: Any = None) -> torch.Tensor:
-    """A new tensor holding ``root``'s ``tensor`` on every rank, differentiable (the gradient is the sum
-    of every rank's gradient on ``root``, zeros on the other ranks).
+    """A new tensor holding ``root``'s ``tensor`` on every rank, differentiable (the gradient is the sum of every
+    rank's gradient on ``root``, zeros on the other ranks).
 
     Raises:
         ValueError: ``root`` outside ``[0, size)``. CollectiveMismatchError: the shape or dtype differs.
@@ -137,12 +126,9 @@ class _Broadcast(torch.autograd.Function):
 class _NotATensor:
     """Stands for a non-tensor argument: the checked collective rejects it on every rank (TypeError)."""
 
-    def __init__(self, given: Any) -> None:
-        self.given = type(given).__name__
-
 
 def _fresh(tensor: Any) -> Any:
     """A contiguous copy of ``tensor``'s data (the output, or the all-gather's send buffer)."""
     if not isinstance(tensor, torch.Tensor):
-        return _NotATensor(tensor)
+        return _NotATensor()
     return tensor.detach().clone(memory_format=torch.contiguous_format)

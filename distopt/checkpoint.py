@@ -48,7 +48,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 from .comm.consensus import agree
 from .portable import HAVE_TORCH, from_portable, to_portable
 
-__all__ = ["save", "load", "write_atomically", "CHECKPOINT_FORMAT", "TMP_SUFFIX"]
+__all__ = ["save", "load", "dumps", "loads", "write_atomically", "CHECKPOINT_FORMAT", "TMP_SUFFIX"]
 
 log = logging.getLogger("distopt")
 
@@ -69,7 +69,8 @@ class _ArraysOnly(pickle.Unpickler):
     """Rebuilds builtin containers and NumPy arrays only (files written without PyTorch)."""
 
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy", "ndarray"), ("numpy", "dtype"), ("builtins", "complex"), ("collections", "OrderedDict")}
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("builtins", "complex"), ("collections", "OrderedDict"),
+               ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer")}  # numpy >= 2.4
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.ALLOWED or module == "numpy.dtypes":
@@ -77,19 +78,27 @@ class _ArraysOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a distopt checkpoint")
 
 
-def _read(path: Path, map_location: Any) -> Any:
-    """Read a file written by :func:`_dump`.
+def dumps(payload: Any, what: str) -> bytes:
+    """``payload`` in the checkpoint format (:func:`save`'s), as bytes.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated or corrupt (see :func:`_damage`),
-            or intact but refused by the loader (its error is quoted).
+        TypeError: a value the safe loaders would refuse (:func:`~distopt.portable.to_portable`), naming ``what``.
     """
-    raw = path.read_bytes()
+    buf = io.BytesIO()
+    _dump(to_portable(payload, what), buf)
+    return buf.getvalue()
+
+
+def loads(raw: bytes, where: str, map_location: Any = "cpu") -> Any:
+    """Read bytes written by :func:`dumps` (``where`` names them in errors), safely (no code runs).
+
+    Raises:
+        ValueError: truncated or corrupt bytes (see :func:`_damage`), or intact but refused by the loader.
+    """
     zipped = raw.startswith(b"PK")  # torch.save's zip format
     damage = _damage(raw, zipped)
     if damage is not None:
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({len(raw)} bytes): {damage}")
+        raise ValueError(f"checkpoint {where} is truncated or corrupt ({len(raw)} bytes): {damage}")
     try:
         if zipped:
             import torch
@@ -97,7 +106,7 @@ def _read(path: Path, map_location: Any) -> Any:
             return torch.load(io.BytesIO(raw), map_location=map_location, weights_only=True)
         return _ArraysOnly(io.BytesIO(raw)).load()
     except Exception as exc:  # noqa: BLE001 (any loader error of an intact file)
-        raise ValueError(f"checkpoint {path} is intact ({len(raw)} bytes) but cannot be loaded: "
+        raise ValueError(f"checkpoint {where} is intact ({len(raw)} bytes) but cannot be loaded: "
                          f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -312,7 +321,7 @@ def load(path: str | os.PathLike, opt: Any, map_location: Any = "cpu") -> Any:
 
 def _restore(path: Path, opt: Any, map_location: Any) -> Any:
     """This rank's part of :func:`load` (no collective); returns the model state."""
-    payload = _read(path, map_location)
+    payload = loads(path.read_bytes(), str(path), map_location)
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         found = payload.get("format", 1) if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"checkpoint {path} has format {found!r}; this distopt reads format {CHECKPOINT_FORMAT}: "
@@ -325,7 +334,7 @@ def _restore(path: Path, opt: Any, map_location: Any) -> Any:
                     "error-feedback residuals start at zero", path, payload["world_size"], opt.world_size)
         extras["rank_local"] = {}
     elif rpath.exists():
-        extras["rank_local"] = _read(rpath, map_location)
+        extras["rank_local"] = loads(rpath.read_bytes(), str(rpath), map_location)
     else:
         extras["rank_local"] = {}
         log.info("no residual file %s: error-feedback residuals start at zero", rpath)

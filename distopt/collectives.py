@@ -1,18 +1,10 @@
-"""Collectives on the user's own arrays, objects and parameters: what ``DistOpt.all_reduce`` and its
-siblings delegate to.
+"""Collectives on the user's own arrays, objects and parameters: what ``DistOpt.all_reduce`` and its siblings delegate
+to.
 
-The array collectives (:meth:`Collectives.all_reduce`, ``broadcast``,
-``all_gather``, ``reduce_scatter``, ``all_to_all``) run the checked code of
-:mod:`distopt.array_collectives` (arguments agreed across ranks first), on
-DistOpt's communicator or a process group's (``group=``); with
-``async_op=True`` on a dedicated communicator and worker thread
-(:mod:`distopt.async_collectives`), returning a
-:class:`~distopt.async_collectives.CollectiveHandle`.
-
-Integer averaging: ``op="avg"`` on an integer or bool array is a TypeError
-on every rank (naming the rank), never a silent truncation; Horovod's
-PyTorch binding floor-divides the sum instead. Use ``op="sum"`` and divide.
-"""
+The array collectives run the checked code of :mod:`distopt.array_collectives` (arguments agreed across ranks first);
+with ``async_op=True`` on a dedicated communicator and worker thread (:mod:`distopt.async_collectives`). Integer
+averaging: ``op="avg"`` on an integer or bool array is a TypeError on every rank (naming the rank), never a silent
+truncation (Horovod's PyTorch binding floor-divides the sum instead): use ``op="sum"`` and divide."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -32,20 +24,19 @@ __all__ = ["Collectives", "CollectiveHandle", "CollectiveMethods"]
 
 
 class Collectives:
-    """Raw collectives over one DistOpt's communicator (or a process group), and its parameter broadcast
-    and averaging.
+    """Raw collectives over one DistOpt's communicator (or a process group), and its parameter broadcast and
+    averaging.
 
-    Every array collective takes ``group=`` (a :class:`~distopt.comm.groups.Group`: it runs on the
-    group's communicator, ValueError on a rank outside it; the argument agreement runs over the group)
-    and ``async_op=`` (True: returns a :class:`~distopt.async_collectives.CollectiveHandle` whose
-    ``wait()`` gives the result and raises the errors listed, on every rank). Arrays: NumPy, CuPy or
-    torch tensors (results of the input's kind, dtype and device); counts in ELEMENTS.
+    Every array collective takes ``group=`` (a :class:`~distopt.comm.groups.Group`: it runs on the group's
+    communicator, ValueError on a rank outside it; the argument agreement runs over the group) and ``async_op=``
+    (True: returns a :class:`~distopt.async_collectives.CollectiveHandle` whose ``wait()`` gives the result and raises
+    the errors listed, on every rank). Arrays: NumPy, CuPy or torch tensors (results of the input's kind, dtype and
+    device); counts in ELEMENTS.
 
     Args:
         comm: the communicator.
         engine: the step engine (checked broadcasts, bucketed averaging).
-        local: the local optimizer (its parameters, and the shared order
-            of an array model's parameters).
+        local: the local optimizer (its parameters, and the shared order of an array model's parameters).
     """
 
     def __init__(self, comm: Communicator, engine: Engine, local: LocalOptimizer) -> None:
@@ -68,17 +59,15 @@ class Collectives:
             ``array`` itself, holding the result (or a handle whose ``wait()`` returns it).
 
         Raises:
-            TypeError / ValueError: on every rank, naming the rank whose
-                argument is bad (an unsupported op or dtype, ``"avg"`` on
-                integers, a non-contiguous or sparse tensor).
-            CollectiveMismatchError: on every rank, the shape, dtype or op
-                differs across ranks.
+            TypeError / ValueError: on every rank, naming the rank whose argument is bad (an unsupported op or dtype,
+                ``"avg"`` on integers, a non-contiguous or sparse tensor).
+            CollectiveMismatchError: on every rank, the shape, dtype or op differs across ranks.
         """
         return self._run("all_reduce", checked.all_reduce, group, async_op, array, op)
 
     def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """In-place broadcast of one array or contiguous torch tensor from ``root`` (a rank of ``group``
-        when given); returns ``array``.
+        """In-place broadcast of one array or contiguous torch tensor from ``root`` (a rank of ``group`` when given);
+        returns ``array``.
 
         Raises:
             TypeError / ValueError / CollectiveMismatchError: as :meth:`all_reduce`, on every rank.
@@ -86,8 +75,8 @@ class Collectives:
         return self._run("broadcast", checked.broadcast, group, async_op, array, root)
 
     def all_gather(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """Every rank's rows in rank order: a new array/tensor of shape ``(sum of the ranks' shape[0],
-        *shape[1:])``; the first dimension may differ across ranks (Horovod's ``allgather``).
+        """Every rank's rows in rank order: a new array/tensor of shape ``(sum of the ranks' shape[0], *shape[1:])``;
+        the first dimension may differ across ranks (Horovod's ``allgather``).
 
         Raises:
             ValueError: on every rank, a 0-d array on some rank.
@@ -99,9 +88,9 @@ class Collectives:
 
     def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
                        async_op: bool = False) -> Any:
-        """This rank's chunk of the reduction (``torch.distributed.reduce_scatter_tensor``): ``shape[0]``
-        split into W equal chunks; returns a new array of shape ``(shape[0] // W, *shape[1:])``, chunk
-        ``rank`` of the elementwise reduction; ``array`` is unchanged.
+        """This rank's chunk of the reduction (``torch.distributed.reduce_scatter_tensor``): ``shape[0]`` split into W
+        equal chunks; returns a new array of shape ``(shape[0] // W, *shape[1:])``, chunk ``rank`` of the elementwise
+        reduction; ``array`` is unchanged.
 
         Raises:
             ValueError: ``shape[0]`` not divisible by W, a 0-d array, an unknown op.
@@ -111,8 +100,8 @@ class Collectives:
 
     def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
         """``shape[0]`` split into W equal chunks, chunk ``j`` sent to rank ``j``
-        (``torch.distributed.all_to_all_single``); returns a new array of ``array``'s shape whose chunk
-        ``i`` came from rank ``i``.
+        (``torch.distributed.all_to_all_single``); returns a new array of ``array``'s shape whose chunk ``i`` came
+        from rank ``i``.
 
         Raises:
             ValueError / TypeError / CollectiveMismatchError: as :meth:`reduce_scatter`, on every rank.
@@ -124,8 +113,8 @@ class Collectives:
 
     def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
                            group: Group | None = None) -> dict[str, Any]:
-        """Sum metrics (scalars or vectors) over ranks (means for names in ``mean``); see
-        :func:`distopt.metrics.reduce_metrics`."""
+        """Sum metrics (scalars or vectors) over ranks (means for names in ``mean``; see
+        :func:`distopt.metrics.reduce_metrics`)."""
         return reduce_metrics(self._comm(group, "all_reduce_metrics"), metrics, mean)
 
     def all_gather_object(self, obj: Any, *, group: Group | None = None) -> list[Any]:
@@ -141,8 +130,7 @@ class Collectives:
 
         Args:
             flag: this rank's vote.
-            rule: ``"any"`` (true if some rank votes true), ``"all"``, or
-                ``"root"`` (rank 0's vote).
+            rule: ``"any"`` (true if some rank votes true), ``"all"``, or ``"root"`` (rank 0's vote).
 
         Returns:
             The same bool on every rank.
@@ -163,28 +151,24 @@ class Collectives:
     def sync_params(self, params: Sequence[Any]) -> None:
         """Check that all ranks hold the same parameters, then broadcast rank 0's values.
 
-        Call it once before the first forward pass for array models (the
-        PyTorch adapter does it in the constructor; a step whose parameter
-        list changed does it again). Integer and boolean arrays (counters,
-        masks) are broadcast too; a step never reduces or updates them.
+        Call it once before the first forward pass for array models (the PyTorch adapter does it in the constructor;
+        a step whose parameter list changed does it again). Integer and boolean arrays (counters, masks) are broadcast
+        too; a step never reduces or updates them.
 
         Args:
             params: arrays (NumPy or CuPy), modified in place on ranks != 0.
 
         Raises:
-            CollectiveMismatchError: on every rank, naming the first
-                parameter whose shape or dtype differs, or a count difference.
+            CollectiveMismatchError: on every rank, naming the first parameter whose shape or dtype differs, or a
+                count difference.
         """
         params = list(params)
         self.engine.broadcast_params(params, {"world_size": self.comm.size})
         self.local.remember(params)
 
     def average_params(self, params: Sequence[Any] | None = None) -> None:
-        """Average all (float) parameters across ranks at once, in place.
-
-        The seed's examples do this before evaluation after partial updates.
-        ``params`` may be omitted with a PyTorch optimizer.
-        """
+        """Average all (float) parameters across ranks at once, in place (before evaluation after partial updates);
+        ``params`` may be omitted with a PyTorch optimizer."""
         owned = self.local.arrays()
         floats = [p for p in (owned if params is None else params) if is_float(p)]
         for bucket in plan_buckets([(p.shape, p.dtype) for p in floats], DEFAULT_THRESHOLD, self.engine.buff_size):

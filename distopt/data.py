@@ -1,38 +1,18 @@
 """Splitting a dataset across the ranks of a data-parallel job.
 
-Everything here is a pure function of sample indices: no communication, no
-data loading, numpy only. Every rank calls the same function with its own
-``rank`` and gets its share; because the functions are deterministic, the
-ranks agree without talking to each other.
+Pure, deterministic functions of sample indices (numpy only, no communication), so the ranks agree without talking.
+For training (:func:`partition_indices`, :func:`partition`, :class:`DistributedSampler`) every rank gets the **same
+number** of samples, so no rank waits forever in an all-reduce the others never reach; for evaluation
+(:func:`eval_partition_indices`) no sample is duplicated, so a metric summed over ranks (e.g. ``(correct, count)``)
+equals the single-process metric exactly.
 
-Two kinds of split:
-
-* Training (:func:`partition_indices`, :func:`partition`,
-  :class:`DistributedSampler`): every rank gets the **same number** of
-  samples, so every rank runs the same number of steps and no rank waits
-  forever in an all-reduce that the others never reach. The shortfall is
-  filled by repeating samples from the start (``pad=True``, at most
-  ``world_size - 1`` duplicates) or the tail is dropped (``pad=False``,
-  ``n % world_size`` samples dropped and logged).
-* Evaluation (:func:`eval_partition_indices`): never duplicates a sample, so
-  a metric summed over ranks (e.g. ``(correct, count)``) equals the
-  single-process metric exactly; counts differ by at most one.
-
-Sources: SINGA's ``DistOpt`` examples (``data_partition``: blocks of
-``n // world_size`` samples, so the last ``n % world_size`` samples were
-silently dropped, every rank got nothing when ``n < world_size``, and the
-same split was used for validation), and
-PyTorch's ``torch.utils.data.DistributedSampler`` (wrap-around padding,
-interleaved shards, ``set_epoch`` seeding). Related reports:
-
-* PyTorch #25162, #22584: the sampler's padding duplicates samples, which
-  skews distributed validation accuracy; padding is kept for training
-  because a rank with fewer iterations hangs the others' all-reduce.
-* PyTorch #12474: interleaved (``rank::world_size``) shards, so that a
-  ``drop_last`` loader drops padding rather than real samples.
-* Chainer #8267: ``scatter_dataset`` gives exactly equal shard sizes by
-  duplicating samples, not "almost equal" ones.
-* Horovod #3980: ranks with different numbers of batches deadlock.
+Sources: SINGA's ``DistOpt`` examples (``data_partition``: blocks of ``n // world_size`` samples, which silently
+dropped the last ``n % world_size``, gave every rank nothing when ``n < world_size``, and split validation the same
+way) and PyTorch's ``torch.utils.data.DistributedSampler`` (wrap-around padding, interleaved shards, ``set_epoch``
+seeding). Related reports: PyTorch #25162 and #22584 (padding skews distributed validation accuracy; kept for
+training because a rank with fewer iterations hangs the others' all-reduce); PyTorch #12474 (interleaved
+``rank::world_size`` shards, so a ``drop_last`` loader drops padding rather than real samples); Chainer #8267
+(exactly equal shard sizes by duplicating samples); Horovod #3980 (ranks with different numbers of batches deadlock).
 """
 from __future__ import annotations
 
@@ -42,13 +22,7 @@ from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 
-__all__ = [
-    "BatchSampler",
-    "partition_indices",
-    "partition",
-    "eval_partition_indices",
-    "DistributedSampler",
-]
+__all__ = ["BatchSampler", "partition_indices", "partition", "eval_partition_indices", "DistributedSampler"]
 
 _log = logging.getLogger("distopt")
 
@@ -71,51 +45,39 @@ def _check_split(n: Any, rank: Any, world_size: Any) -> Tuple[int, int, int]:
     return n, rank, world_size
 
 
-def partition_indices(
-    n: int, rank: int, world_size: int, *, pad: bool = True
-) -> np.ndarray:
-    """Training shard of one rank: a contiguous block, equal size everywhere.
-
-    SINGA's ``data_partition`` fixed. Rank ``r`` takes positions
-    ``[r * c, (r + 1) * c)`` of the (possibly padded) index sequence
-    ``0, 1, ..., n - 1``, where ``c`` is the same on every rank.
+def partition_indices(n: int, rank: int, world_size: int, *, pad: bool = True) -> np.ndarray:
+    """Training shard of one rank: a contiguous block, equal size everywhere (SINGA's ``data_partition`` fixed). Rank
+    ``r`` takes positions ``[r * c, (r + 1) * c)`` of the (possibly padded) index sequence ``0, 1, ..., n - 1``, where
+    ``c`` is the same on every rank.
 
     Args:
         n: number of samples in the dataset, ``n >= 0``.
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks, ``world_size >= 1``.
-        pad: if True, ``c = ceil(n / world_size)`` and the sequence is padded
-            to ``c * world_size`` by wrapping around to the start of the
-            dataset (indices ``0, 1, ...`` repeated), so the union of all
-            shards covers all ``n`` samples and at most ``world_size - 1``
-            samples appear twice. With ``n < world_size`` every rank still
-            gets one sample (e.g. ``n=3, world_size=4``: rank 3 gets ``[0]``).
-            If False, ``c = n // world_size``, shards are disjoint and the
-            last ``n % world_size`` samples are dropped (logged at INFO on the
-            ``"distopt"`` logger).
+        pad: if True, ``c = ceil(n / world_size)`` and the sequence is padded to ``c * world_size`` by wrapping
+            around to the start of the dataset, so the shards cover all ``n`` samples and at most
+            ``world_size - 1`` appear twice; with ``n < world_size`` every rank still gets one sample (``n=3,
+            world_size=4``: rank 3 gets ``[0]``). If False, ``c = n // world_size``, shards are disjoint and the last
+            ``n % world_size`` samples are dropped (logged at INFO on the ``"distopt"`` logger).
 
     Returns:
-        int64 array of shape ``(c,)`` with indices in ``[0, n)``; empty for
-        every rank when ``n == 0``.
+        int64 array of shape ``(c,)`` with indices in ``[0, n)``; empty for every rank when ``n == 0``.
 
     Raises:
-        ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` outside
-            ``[0, world_size)``; the message names the parameter.
+        ValueError: ``n < 0``, ``world_size < 1`` or ``rank`` outside ``[0, world_size)``; the message names the
+            parameter.
     """
     n, rank, world_size = _check_split(n, rank, world_size)
     if n == 0:
         return np.empty(0, dtype=np.int64)
     if pad:
         count = -(-n // world_size)
-        positions = np.arange(rank * count, (rank + 1) * count, dtype=np.int64)
-        return positions % n
+        return np.arange(rank * count, (rank + 1) * count, dtype=np.int64) % n
     count = n // world_size
     dropped = n - count * world_size
     if dropped:
-        _log.info(
-            "partition_indices: pad=False drops %d of %d samples "
-            "(n %% world_size, world_size=%d)", dropped, n, world_size,
-        )
+        _log.info("partition_indices: pad=False drops %d of %d samples (n %% world_size, world_size=%d)",
+                  dropped, n, world_size)
     return np.arange(rank * count, (rank + 1) * count, dtype=np.int64)
 
 
@@ -134,45 +96,36 @@ def _take(a: Any, idx: np.ndarray) -> Any:
     return np.asarray(a)[idx]
 
 
-def partition(
-    x: Any, y: Any, rank: int, world_size: int, *, pad: bool = True
-) -> Tuple[Any, Any]:
+def partition(x: Any, y: Any, rank: int, world_size: int, *, pad: bool = True) -> Tuple[Any, Any]:
     """Applies :func:`partition_indices` to a feature and a label array.
 
     Args:
-        x: samples, shape ``(n, ...)`` (numpy array or anything indexable by
-            an int64 index array, e.g. a torch tensor), or a ``range`` of
-            sample ids.
+        x: samples, shape ``(n, ...)`` (numpy array or anything indexable by an int64 index array, e.g. a torch
+            tensor), or a ``range`` of sample ids.
         y: labels, shape ``(n, ...)``, same kinds as ``x``.
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks, ``world_size >= 1``.
         pad: see :func:`partition_indices`.
 
     Returns:
-        ``(x_part, y_part)``, each of shape ``(c, ...)`` with the dtype of the
-        input; a ``range`` becomes the int64 array of the selected ids.
+        ``(x_part, y_part)``, each of shape ``(c, ...)`` with the dtype of the input; a ``range`` becomes the int64
+        array of the selected ids.
 
     Raises:
-        ValueError: ``x`` and ``y`` differ in their first dimension, or the
-            arguments of :func:`partition_indices` are invalid.
+        ValueError: ``x`` and ``y`` differ in their first dimension, or the arguments of :func:`partition_indices`
+            are invalid.
     """
     n = _length(x)
     if _length(y) != n:
-        raise ValueError(
-            f"x and y must have the same first dimension, got {n} and {_length(y)}"
-        )
+        raise ValueError(f"x and y must have the same first dimension, got {n} and {_length(y)}")
     idx = partition_indices(n, rank, world_size, pad=pad)
     return _take(x, idx), _take(y, idx)
 
 
 def eval_partition_indices(n: int, rank: int, world_size: int) -> np.ndarray:
-    """Evaluation shard of one rank: contiguous, never duplicated.
-
-    The first ``n % world_size`` ranks get ``n // world_size + 1`` samples,
-    the others ``n // world_size`` (``n=10, world_size=4``: 3, 3, 2, 2). The
-    union over ranks is exactly ``0, ..., n - 1``, each once, so summing
-    ``(correct, count)`` over ranks gives the single-process metric. Ranks
-    may run different numbers of evaluation steps; use it only where no
+    """Evaluation shard of one rank: contiguous, never duplicated. The first ``n % world_size`` ranks get ``n //
+    world_size + 1`` samples, the others ``n // world_size`` (``n=10, world_size=4``: 3, 3, 2, 2); the union over ranks
+    is exactly ``0, ..., n - 1``, each once. Ranks may run different numbers of evaluation steps: use it only where no
     collective is called per step.
 
     Args:
@@ -196,35 +149,19 @@ def eval_partition_indices(n: int, rank: int, world_size: int) -> np.ndarray:
 class DistributedSampler:
     """This rank's sample indices per epoch, with PyTorch's conventions, and equal batch counts.
 
-    As ``torch.utils.data.DistributedSampler``: iterating yields this rank's
-    sample indices (Python ints) and ``len()`` counts them, so
-    ``DataLoader(dataset, batch_size=B, sampler=sampler)`` works. Batches of
-    index arrays come from :meth:`batches` (or, for
-    ``DataLoader(dataset, batch_sampler=...)``, from :meth:`batch_sampler`);
-    every rank gets the same number of batches. Each epoch:
-
-    1. one global order of ``0, ..., n - 1``: the permutation from
-       ``np.random.default_rng((seed, epoch))`` if ``shuffle`` (the same on
-       every rank), else the identity;
-    2. padded by wrap-around (repeating its first entries) to
-       ``num_samples * world_size`` with ``num_samples = ceil(n / world_size)``,
-       so every rank gets the same count (at most ``world_size - 1``
-       duplicates; with ``n < world_size`` each rank still gets one sample);
-    3. rank ``r`` takes the **interleaved** positions ``r::world_size`` (as
-       torch does, not a contiguous block). The padded positions are then
-       the *last* entry of some ranks' shards, so they fall in the last
-       partial batch;
-    4. :meth:`batches` cuts the shard into batches of ``batch_size``.
-       ``drop_last=True`` drops the last partial batch on every rank; since
-       it holds every padded position, a duplicate is never kept while a
-       real sample is dropped (PyTorch #12474, Chainer #8267).
-       ``drop_last=False`` keeps it. Either way every rank yields the same
-       number of batches (Horovod #3980).
+    As ``torch.utils.data.DistributedSampler``: iterating yields this rank's sample indices (Python ints) and
+    ``len()`` counts them, so ``DataLoader(dataset, batch_size=B, sampler=sampler)`` works; batches of index arrays
+    come from :meth:`batches` (or :meth:`batch_sampler`, for ``DataLoader(batch_sampler=...)``), as many on every
+    rank. Each epoch, the permutation from ``np.random.default_rng((seed, epoch))`` (the identity without ``shuffle``)
+    is padded by wrap-around to ``num_samples * world_size`` (``num_samples = ceil(n / world_size)``) and rank ``r``
+    takes the **interleaved** positions ``r::world_size``, so the padded positions fall in the last partial batch:
+    ``drop_last=True`` drops it on every rank and never keeps a duplicate while dropping a real sample (PyTorch
+    #12474, Chainer #8267).
 
     Args:
         n: dataset size ``n >= 0``, or a sized dataset (its ``len()``).
-        batch_size: the default samples per batch of :meth:`batches`,
-            ``batch_size >= 1``; None: :meth:`batches` needs one.
+        batch_size: the default samples per batch of :meth:`batches`, ``batch_size >= 1``; None: :meth:`batches`
+            needs one.
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks, ``world_size >= 1``.
         shuffle: permute the samples each epoch.
@@ -235,24 +172,13 @@ class DistributedSampler:
         ValueError: an invalid argument; the message names it.
     """
 
-    def __init__(
-        self,
-        n: Any,
-        batch_size: int | None,
-        rank: int,
-        world_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
+    def __init__(self, n: Any, batch_size: int | None, rank: int, world_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
         n = n if isinstance(n, numbers.Integral) or not hasattr(n, "__len__") else len(n)
         self.n, self.rank, self.world_size = _check_split(n, rank, world_size)
         self.batch_size = None if batch_size is None else _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.epoch = 0
+        self.shuffle, self.drop_last, self.epoch = bool(shuffle), bool(drop_last), 0
 
     @property
     def num_samples(self) -> int:
@@ -260,10 +186,7 @@ class DistributedSampler:
         return -(-self.n // self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch whose permutation the next iteration uses.
-
-        Call with the same value on every rank before each epoch.
-        """
+        """Selects the epoch whose permutation the next iteration uses (the same value on every rank, each epoch)."""
         self.epoch = _check_int("epoch", epoch, 0)
 
     def __len__(self) -> int:
@@ -279,13 +202,10 @@ class DistributedSampler:
         if self.n == 0:
             return np.empty(0, dtype=np.int64)
         if self.shuffle:
-            rng = np.random.default_rng((self.seed, self.epoch))
-            order = rng.permutation(self.n).astype(np.int64)
+            order = np.random.default_rng((self.seed, self.epoch)).permutation(self.n).astype(np.int64)
         else:
             order = np.arange(self.n, dtype=np.int64)
-        total = self.num_samples * self.world_size
-        padded = order[np.arange(total) % self.n]
-        return padded[self.rank::self.world_size]
+        return order[np.arange(self.num_samples * self.world_size) % self.n][self.rank::self.world_size]
 
     def _batch_size(self, batch_size: int | None) -> int:
         if batch_size is None:
@@ -305,8 +225,7 @@ class DistributedSampler:
         Raises:
             ValueError: no ``batch_size`` here nor at construction.
         """
-        size = self._batch_size(batch_size)
-        shard = self.indices()
+        size, shard = self._batch_size(batch_size), self.indices()
         for b in range(self.num_batches(size)):
             yield shard[b * size:(b + 1) * size]
 
@@ -340,4 +259,3 @@ class BatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.sampler.batches(self.batch_size):
             yield batch.tolist()
-

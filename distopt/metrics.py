@@ -16,32 +16,29 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
                    mean: tuple[str, ...] = ()) -> dict[str, Any]:
     """Sum metrics (scalars or vectors) over all ranks; the caller's values are not changed.
 
-    Every rank must call this with the same keys (in any order): the values
-    travel in one float64 all-reduce of ``len(metrics)`` elements, sorted by
-    key. A ratio metric (accuracy) must be computed from summed numerator and
+    Every rank must call this with the same keys (in any order): the values travel in one float64 all-reduce of
+    ``len(metrics)`` elements, sorted by key. A ratio metric (accuracy) must be computed from summed numerator and
     denominator, never by averaging per-rank ratios.
 
     Args:
         comm: the communicator.
-        metrics: name -> scalar or array (Python number, NumPy/CuPy/torch
-            scalar or tensor of any shape, e.g. per-class counts); every rank
-            must give each name the same shape.
+        metrics: name -> scalar or array (Python number, NumPy/CuPy/torch scalar or tensor of any shape, e.g.
+            per-class counts); every rank must give each name the same shape.
         mean: names to divide by the world size after summing.
 
     Returns:
-        name -> float for scalars, a float64 NumPy array (same shape) for
-        arrays: the sum, or the mean for names in ``mean``.
+        name -> float for scalars, a float64 NumPy array (same shape) for arrays: the sum, or the mean for names in
+        ``mean``.
 
     Raises:
-        KeyError: on every rank, a name in ``mean`` is not in ``metrics`` on some rank (naming the
-            ranks and the names).
-        CollectiveMismatchError: on every rank, ranks passed different names, shapes or ``mean``,
-            naming every rank's ``{name: shape}`` or ``mean`` (one small all-gather of a digest
-            compares them first: :func:`~distopt.comm.consensus.agree`).
+        KeyError: on every rank, a name in ``mean`` is not in ``metrics`` on some rank (naming the ranks and the
+            names).
+        CollectiveMismatchError: on every rank, ranks passed different names, shapes or ``mean``, naming every rank's
+            ``{name: shape}`` or ``mean`` (one small all-gather of a digest compares them first:
+            :func:`~distopt.comm.consensus.agree`).
     """
     keys = sorted(metrics)
     values = [_host(metrics[k]) for k in keys]
-    sizes = [v.size for v in values]
     missing = [name for name in mean if name not in metrics]
     problem = None if not missing else KeyError(f"mean names {missing[0]!r}, which is not among the metrics {keys}")
     agree(comm, {"metric set": {k: tuple(v.shape) for k, v in zip(keys, values)}, "mean": sorted(mean)},
@@ -51,10 +48,10 @@ def reduce_metrics(comm: Communicator, metrics: Mapping[str, Any],
     comm.all_reduce(buf, op="sum")
     out: dict[str, Any] = {}
     offset = 0
-    for k, v, n in zip(keys, values, sizes):
-        part = buf[offset:offset + n].reshape(v.shape) / (comm.size if k in mean else 1)
+    for k, v in zip(keys, values):
+        part = buf[offset:offset + v.size].reshape(v.shape) / (comm.size if k in mean else 1)
         out[k] = float(part) if v.ndim == 0 else part
-        offset += n
+        offset += v.size
     return out
 
 
@@ -75,14 +72,13 @@ def all_gather_object(comm: Communicator, obj: Any) -> list[Any]:
 def broadcast_object(comm: Communicator, obj: Any, root: int = 0) -> Any:
     """Send a picklable object from ``root`` to every rank; returns it on every rank.
 
-    The pickle travels as a uint8 buffer after its length (one int64), so the
-    data path stays a buffer collective. Use it for what must be identical
-    everywhere: a vocabulary built on rank 0 (the AllenNLP pitfall), a
-    config, an early-stopping decision.
+    The pickle travels as a uint8 buffer after its length (one int64), so the data path stays a buffer collective.
+    Use it for what must be identical everywhere: a vocabulary built on rank 0 (the AllenNLP pitfall), a config, an
+    early-stopping decision.
 
     Raises:
-        CollectiveMismatchError: on every rank, the ranks passed different roots, naming every rank's
-            (one small all-gather compares them first: :func:`~distopt.comm.consensus.agree`).
+        CollectiveMismatchError: on every rank, the ranks passed different roots, naming every rank's (one small
+            all-gather compares them first: :func:`~distopt.comm.consensus.agree`).
         ValueError: on every rank, ``root`` is not an int in ``[0, size)``.
     """
     agree(comm, {"root": root if isinstance(root, int) and not isinstance(root, bool) else repr(root)},

@@ -16,6 +16,7 @@ from .core.counters import Counters
 from .launch.failfast import install_abort_on_exception
 from .launch.world import World, acquire_comm
 from .sharding.plan import check_sharding
+from .sharding.shard_state import ShardStream
 from .sharding.sync import bucket_sync
 from .torch.zero.state import torch_sharding
 from .singa import SingaMethods
@@ -166,6 +167,11 @@ class DistOpt(SingaMethods, CollectiveMethods):
             self.model_sync = ModelSync(self.comm, self.engine, local, model, broadcast_buffers,
                                         lambda: follower.join_phase(), named_parameters, follower.forward_syncs)
             follower.sink.bind(follower)  # zero=3: each rank keeps its segments of rank 0's parameters
+
+    @property
+    def state_sharded(self) -> bool:
+        """The optimizer's state is sharded across the ranks (a PyTorch optimizer at ``zero=1|2|3``)."""
+        return self._state.sharding is not None
 
     @property
     def local_rank(self) -> int:
@@ -322,10 +328,11 @@ class DistOpt(SingaMethods, CollectiveMethods):
         """Average all (float) parameters across ranks at once, in place (``params`` optional with PyTorch)."""
         self._collectives.average_params(params)
 
-    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
+    def state_dict(self, sharded: bool = False, params: bool = False) -> dict[str, Any]:
         """Everything needed to continue (see :class:`~distopt.step.state.StepState`); with ``zero=1|2|3``
-        consolidated on every rank (collective), or only this rank's shard with ``sharded=True``."""
-        return self._state.state_dict(self.sampler, sharded)
+        consolidated on every rank (collective), or only this rank's shard with ``sharded=True``, holding this
+        rank's parameter elements too with ``params=True`` (a ``zero=3`` model's shard, never gathered)."""
+        return self._state.state_dict(self.sampler, sharded, params)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """With ``zero=1|2|3``: consolidate the state now, on every rank (collective), so that rank ``to``
@@ -337,10 +344,12 @@ class DistOpt(SingaMethods, CollectiveMethods):
         """
         self._state.consolidate_state_dict(to)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]] | ShardStream) -> None:
         """Restore :meth:`state_dict` output (``state_dict``: torch's argument name), a plain torch optimizer's,
-        or the list of every rank's ``state_dict(sharded=True)``; ValueError for another format (an older
-        distopt)."""
+        or every rank's ``state_dict(sharded=True)`` as a list or a
+        :class:`~distopt.sharding.shard_state.ShardStream` (re-sharded one shard at a time at ``zero=1|2|3``;
+        parameter elements in the shards are written into the parameters); ValueError for another format (an
+        older distopt)."""
         self._state.load_state_dict(state_dict, self.sampler)
 
     def close(self) -> None:

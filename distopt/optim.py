@@ -20,8 +20,8 @@ class SGD:
         g = g + momentum * buf if nesterov else buf
         p -= lr * g
 
-    Same formula as PyTorch's SGD (Sutskever et al. 2013 for momentum), so a
-    NumPy model trained with it matches a PyTorch model step for step.
+    Same formula as PyTorch's SGD (Sutskever et al. 2013 for momentum), so a NumPy model trained with it matches a
+    PyTorch model step for step.
 
     Args:
         lr: learning rate, > 0.
@@ -46,11 +46,8 @@ class SGD:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening = 0")
-        self.lr = lr
-        self.momentum = momentum
-        self.dampening = dampening
-        self.nesterov = nesterov
-        self.weight_decay = weight_decay
+        self.lr, self.momentum, self.dampening = lr, momentum, dampening
+        self.nesterov, self.weight_decay = nesterov, weight_decay
         # momentum buffers in order of each parameter's first update
         self._slots: dict[int, tuple[weakref.ref, int]] = {}
         self._buffers: list[Any] = []
@@ -81,8 +78,8 @@ class SGD:
         if self.nesterov:
             self._update_nesterov(param, grad)
             return
-        # the formula of the class docstring, with one reused scratch array instead of a temporary per
-        # operation (the same operations in the same order: bitwise the same result)
+        # the class docstring's formula with one reused scratch array instead of a temporary per operation (the same
+        # operations in the same order: bitwise the same result)
         tmp = self._scratch_like(param)
         g = grad
         if self.weight_decay:
@@ -146,13 +143,9 @@ class SGD:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Momentum buffers are matched to parameters by order of first update,
-        so the restored run must update its parameters in the same order.
-        """
+        """Restore :meth:`state_dict` output. Momentum buffers are matched to parameters by order of first update, so
+        the restored run must update its parameters in the same order."""
         for key in ("lr", "momentum", "dampening", "nesterov", "weight_decay"):
             setattr(self, key, state[key])
-        self._slots = {}
-        self._buffers = []
+        self._slots, self._buffers = {}, []
         self._restored = [None if b is None else b.copy() for b in state["momentum_buffers"]]

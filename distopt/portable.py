@@ -1,20 +1,14 @@
 """Arrays as tensors, so that checkpoints load with ``torch.load(weights_only=True)``.
 
-PyTorch's safe loader accepts tensors, numbers, strings and plain
-containers, not NumPy or CuPy arrays or scalars. :func:`to_portable`
-replaces every NumPy/CuPy array in a nested state by
-``{"__array__": tensor}`` (a CPU tensor for NumPy, a CUDA tensor for CuPy;
-bfloat16 NumPy arrays travel as int16 with ``"dtype": "bfloat16"``) and every
-NumPy scalar (``np.float64(0.91)``, ``np.int64(3)``) by
-``{"__scalar__": python_number, "dtype": name}``; :func:`from_portable` turns
-them back into NumPy arrays (a tensor on the CPU) or CuPy arrays (on a GPU),
-so a ``map_location`` chosen at load time decides the device, and into
-NumPy scalars of the same dtype. Tensors of the state (a PyTorch
-optimizer's) are left as they are. Without PyTorch installed the arrays
-stay as they are. Anything else the safe loaders would refuse (an object
-of another class, a named tuple, a NumPy ``datetime64``) is refused by
-:func:`to_portable`, naming where it is.
-"""
+PyTorch's safe loader accepts tensors, numbers, strings and plain containers, not NumPy or CuPy arrays or scalars.
+:func:`to_portable` replaces every NumPy/CuPy array in a nested state by ``{"__array__": tensor}`` (a CPU tensor for
+NumPy, a CUDA tensor for CuPy; bfloat16 NumPy arrays travel as int16 with ``"dtype": "bfloat16"``) and every NumPy
+scalar (``np.float64(0.91)``, ``np.int64(3)``) by ``{"__scalar__": python_number, "dtype": name}``;
+:func:`from_portable` turns them back into NumPy arrays (a tensor on the CPU) or CuPy arrays (on a GPU), so a
+``map_location`` chosen at load time decides the device, and into NumPy scalars of the same dtype. Tensors of the state
+(a PyTorch optimizer's) are left as they are. Without PyTorch installed the arrays stay as they are. Anything else the
+safe loaders would refuse (an object of another class, a named tuple, a NumPy ``datetime64``) is refused by
+:func:`to_portable`, naming where it is."""
 from __future__ import annotations
 
 import importlib.util
@@ -38,19 +32,16 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
 def to_portable(obj: Any, where: str = "state") -> Any:
     """A copy of ``obj`` with every array and NumPy scalar in a form the safe loaders read back.
 
-    Dicts (of any dict class) become plain dicts; lists, tuples and sets of
-    plain values keep their type. The arrays' data is copied, so later
-    updates do not change the result.
+    Dicts (of any dict class) become plain dicts; lists, tuples and sets of plain values keep their type. The arrays'
+    data is copied, so later updates do not change the result.
 
     Args:
-        obj: nested dicts, lists and tuples of tensors, arrays, NumPy
-            scalars, numbers, strings, bytes and None.
+        obj: nested dicts, lists and tuples of tensors, arrays, NumPy scalars, numbers, strings, bytes and None.
         where: how to name ``obj`` in an error (a key path is appended).
 
     Raises:
-        TypeError: a value or dict key of another type, naming its key path
-            and its type (nothing is written, so nothing is left that
-            cannot be read back).
+        TypeError: a value or dict key of another type, naming its key path and its type (nothing is written, so
+            nothing is left that cannot be read back).
     """
     if isinstance(obj, dict):
         for k in obj:

@@ -1,20 +1,15 @@
 """The communicator protocol shared by every backend.
 
-A communicator moves arrays between the ranks of one job; it knows nothing
-about models. All collectives are blocking from the caller's point of view
-(NCCL: ordered on the communicator's CUDA stream, see ``nccl.py``), act in
-place where stated, and must be called by every rank in the same order with
-the same element count and dtype.
+A communicator moves arrays between the ranks of one job; it knows nothing about models. All collectives are blocking
+from the caller's point of view (NCCL: ordered on the communicator's CUDA stream, see ``nccl.py``), act in place where
+stated, and must be called by every rank in the same order with the same element count and dtype.
 
-The sharded collectives (:meth:`Communicator.reduce_scatter`,
-:meth:`Communicator.all_gather_into`, :meth:`Communicator.all_to_all`) split a
-1-D array into per-rank segments of ``counts`` ELEMENTS (default
-:func:`split_counts`); :func:`check_counts` and :func:`check_rows` validate
-their arguments the same way on every backend. The MPI, torch and NCCL
-backends also have ``reduce_scatter_async`` and ``all_gather_into_async``
-(same arguments; a handle whose ``test()`` never blocks and whose ``wait()``,
-callable more than once, returns what the blocking form returns); shm and
-single do not (run their blocking forms on a worker thread instead).
+The sharded collectives (:meth:`Communicator.reduce_scatter`, :meth:`Communicator.all_gather_into`,
+:meth:`Communicator.all_to_all`) split a 1-D array into per-rank segments of ``counts`` ELEMENTS (default
+:func:`split_counts`); :func:`check_counts` and :func:`check_rows` validate their arguments the same way on every
+backend. The MPI, torch and NCCL backends also have ``reduce_scatter_async`` and ``all_gather_into_async`` (same
+arguments; a handle whose ``test()`` never blocks and whose ``wait()``, callable more than once, returns what the
+blocking form returns); shm and single do not (run their blocking forms on a worker thread instead).
 """
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ import numpy as np
 
 from .wait import DEFAULT_TIMEOUT, TIMEOUT_ENV, default_timeout, resolve_timeout
 
-__all__ = ["Communicator", "ShardingCommunicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout", "resolve_timeout",
-           "check_reduce_args", "split_counts", "check_counts", "check_rows", "counts_digest"]
+__all__ = ["Communicator", "ShardingCommunicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout",
+           "resolve_timeout", "check_reduce_args", "split_counts", "check_counts", "check_rows", "counts_digest"]
 
 #: Reduction operations every backend supports, by name.
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -40,8 +35,7 @@ class Communicator(Protocol):
     Attributes:
         rank: this process's rank in the communicator, ``0 <= rank < size``.
         size: the number of ranks (the world size).
-        name: the backend's registry name (``"mpi"``, ``"nccl"``, ``"shm"``,
-            ``"torch"``, ``"single"``).
+        name: the backend's registry name (``"mpi"``, ``"nccl"``, ``"shm"``, ``"torch"``, ``"single"``).
     """
 
     rank: int
@@ -52,13 +46,10 @@ class Communicator(Protocol):
         """Reduce ``array`` across ranks in place and return it.
 
         Args:
-            array: a C-contiguous array (NumPy for CPU backends, CuPy for
-                NCCL) of any shape, including size 0. Every rank passes the
-                same element count and dtype.
-            op: one of ``"sum"``, ``"avg"`` (sum / size), ``"max"``,
-                ``"min"``. Integer arrays support sum/max/min; ``"avg"`` on
-                integers raises TypeError. Boolean arrays reduce as logical
-                OR for sum/max and logical AND for min.
+            array: a C-contiguous array (NumPy for CPU backends, CuPy for NCCL) of any shape, including size 0. Every
+                rank passes the same element count and dtype.
+            op: ``"sum"``, ``"avg"`` (sum / size), ``"max"`` or ``"min"``; integers take all but ``"avg"`` (TypeError),
+                booleans reduce as logical OR for sum/max and logical AND for min.
 
         Raises:
             TypeError: unsupported dtype or op for that dtype.
@@ -78,8 +69,7 @@ class Communicator(Protocol):
     def all_gather_v(self, array: Any) -> list[Any]:
         """Gather 1-D arrays whose lengths differ per rank (may be 0).
 
-        Returns a list of ``size`` arrays, entry ``r`` being rank r's input.
-        Every rank must pass the same dtype.
+        Returns a list of ``size`` arrays, entry ``r`` being rank r's input. Every rank must pass the same dtype.
         """
         ...
 
@@ -90,11 +80,9 @@ class Communicator(Protocol):
     def close(self) -> None:
         """Release the backend's resources; idempotent.
 
-        Every later call raises
-        :class:`~distopt.errors.CommunicatorClosedError` at once. distopt's
-        backends also have ``wait_seconds`` (seconds spent in blocking
-        calls) and ``closed``; see :mod:`distopt.comm.lifecycle`. Those
-        that were never closed are closed at interpreter exit.
+        Every later call raises :class:`~distopt.errors.CommunicatorClosedError` at once. distopt's backends also have
+        ``wait_seconds`` (seconds spent in blocking calls) and ``closed``; see :mod:`distopt.comm.lifecycle`. Those that
+        were never closed are closed at interpreter exit.
         """
         ...
 
@@ -102,35 +90,27 @@ class Communicator(Protocol):
 @runtime_checkable
 class ShardingCommunicator(Communicator, Protocol):
     """A :class:`Communicator` with the collectives of a sharded optimizer (``DistOpt(zero=1|2|3)``) and of
-    ``all_to_all`` exchanges. Every distopt backend is one; a communicator of your own needs these only
-    for ``zero``."""
+    ``all_to_all`` exchanges. Every distopt backend is one; a communicator of your own needs these only for ``zero``."""
 
     def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
         """Reduce ``array`` across ranks, keeping only this rank's segment.
 
         Args:
-            array: 1-D, C-contiguous, ``sum(counts)`` elements; every rank
-                passes the same element count, dtype, ``counts`` and ``op``.
-            counts: ELEMENTS of each rank's segment, ``len(counts) == size``,
-                ints >= 0 (0 allowed); segment r starts at element
-                ``sum(counts[:r])``. None: ``split_counts(array.size, size)``.
-            op: as for :meth:`all_reduce` (``"sum"``, ``"avg"``, ``"max"``,
-                ``"min"``; the same dtype rules).
+            array: 1-D, C-contiguous, ``sum(counts)`` elements; the same dtype, ``counts`` and ``op`` on every rank.
+            counts: ELEMENTS of each rank's segment, ``len(counts) == size``, ints >= 0 (0 allowed); segment r starts at
+                element ``sum(counts[:r])``. None: ``split_counts(array.size, size)``.
+            op: as for :meth:`all_reduce` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``; the same dtype rules).
 
         Returns:
-            A 1-D array of ``counts[rank]`` elements of ``array``'s dtype
-            (the backend's array type): the reduction of segment ``rank`` of
-            every rank's ``array``, equal to that segment of
-            :meth:`all_reduce` on the same data. Whether it is new or a view
-            into ``array``, and what ``array`` holds afterwards, is the
-            backend's (each documents it); treat ``array`` as overwritten.
+            A 1-D array of ``counts[rank]`` elements of ``array``'s dtype (the backend's array type): the reduction of
+            segment ``rank`` of every rank's ``array``, equal to that segment of :meth:`all_reduce` on the same data.
+            Whether it is new or a view into ``array``, and what ``array`` holds afterwards, is the backend's (each
+            documents it); treat ``array`` as overwritten.
 
         Raises:
-            ValueError: bad ``counts`` (length, negative, sum != array size)
-                or ``array`` not 1-D.
+            ValueError: bad ``counts`` (length, negative, sum != array size) or ``array`` not 1-D.
             TypeError: ``array`` not C-contiguous, unsupported dtype or op.
-            CollectiveMismatchError: ranks passed different counts/dtypes/ops
-                (the backends that check :meth:`all_reduce`).
+            CollectiveMismatchError: ranks passed different counts/dtypes/ops (where :meth:`all_reduce` checks).
             CollectiveTimeoutError: the collective missed its deadline.
         """
         ...
@@ -139,10 +119,8 @@ class ShardingCommunicator(Communicator, Protocol):
         """Gather every rank's segment of ``array`` into every rank's ``array``, in place.
 
         Args:
-            array: 1-D, C-contiguous, ``sum(counts)`` elements, the same
-                element count, dtype and ``counts`` on every rank. On entry
-                segment ``rank`` (elements ``sum(counts[:rank])`` onwards)
-                holds this rank's part; the other segments are overwritten.
+            array: 1-D, C-contiguous, ``sum(counts)`` elements, the same element count, dtype and ``counts`` on every
+                rank. On entry segment ``rank`` holds this rank's part; the other segments are overwritten.
             counts: ELEMENTS per rank, as for :meth:`reduce_scatter`.
 
         Returns:
@@ -160,18 +138,15 @@ class ShardingCommunicator(Communicator, Protocol):
         """Send row j of ``array`` to rank j.
 
         Args:
-            array: shape ``(size, *rest)``, C-contiguous, the same shape and
-                dtype on every rank.
+            array: shape ``(size, *rest)``, C-contiguous, the same shape and dtype on every rank.
 
         Returns:
-            A new array of ``array``'s shape and dtype whose row i is rank
-            i's row ``rank``.
+            A new array of ``array``'s shape and dtype whose row i is rank i's row ``rank``.
 
         Raises:
             ValueError: ``array.shape[0] != size`` (or a 0-d array).
             TypeError: not C-contiguous, unsupported dtype.
-            CollectiveMismatchError, CollectiveTimeoutError: as for
-                :meth:`all_reduce`.
+            CollectiveMismatchError, CollectiveTimeoutError: as for :meth:`all_reduce`.
         """
         ...
 
@@ -194,16 +169,13 @@ def check_reduce_args(array: Any, op: str) -> None:
 
     Raises:
         ValueError: ``op`` is not one of :data:`REDUCE_OPS`.
-        TypeError: ``op="avg"`` on an integer or boolean array, or an array
-            that is not C-contiguous.
+        TypeError: ``op="avg"`` on an integer or boolean array, or an array that is not C-contiguous.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
     if op == "avg" and _dtype_kind(array.dtype) in "iub":
-        raise TypeError(
-            f"op='avg' is not supported for dtype {array.dtype} (integer averaging "
-            "would truncate); use op='sum' and divide in floating point"
-        )
+        raise TypeError(f"op='avg' is not supported for dtype {array.dtype} (integer averaging would truncate); "
+                        "use op='sum' and divide in floating point")
     _check_contiguous(array)
 
 
@@ -217,8 +189,8 @@ def split_counts(n: int, size: int) -> list[int]:
     """Balanced per-rank ELEMENT counts of ``n`` elements over ``size`` ranks.
 
     Returns:
-        ``size`` ints summing to ``n``; the first ``n % size`` ranks get one
-        element more (``split_counts(10, 4) == [3, 3, 2, 2]``).
+        ``size`` ints summing to ``n``; the first ``n % size`` ranks get one element more
+        (``split_counts(10, 4) == [3, 3, 2, 2]``).
 
     Raises:
         ValueError: ``n < 0`` or ``size < 1`` (or not ints).
@@ -240,13 +212,11 @@ def check_counts(array: Any, counts: Sequence[int] | None, size: int) -> list[in
         size: the world size.
 
     Returns:
-        The counts as a list of ``size`` Python ints summing to the array's
-        element count.
+        The counts as a list of ``size`` Python ints summing to the array's element count.
 
     Raises:
-        ValueError: ``array`` is not 1-D; ``counts`` has not ``size`` entries,
-            holds a non-int or a negative count, or does not sum to the
-            array's element count.
+        ValueError: ``array`` is not 1-D; ``counts`` has not ``size`` entries, holds a non-int or a negative count, or
+            does not sum to the array's element count.
         TypeError: ``array`` is not C-contiguous.
     """
     if array.ndim != 1:
@@ -267,6 +237,11 @@ def check_counts(array: Any, counts: Sequence[int] | None, size: int) -> list[in
     if sum(got) != n:
         raise ValueError(f"counts must sum to the array's {n} elements, got {got} (sum {sum(got)})")
     return got
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    """Element offset of each rank's segment of ``counts`` ELEMENTS."""
+    return [sum(counts[:r]) for r in range(len(counts))]
 
 
 def check_rows(array: Any, size: int) -> None:

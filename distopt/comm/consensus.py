@@ -1,21 +1,10 @@
 """Consensus: the ranks agree on a value, or every rank raises the same error naming each rank's value.
 
-Every cross-rank check in distopt ("agree, then raise on every rank") goes
-through this module, so the errors read alike whatever raised them:
-
-* :func:`agree` gathers and compares; it is what a caller with only a
-  communicator uses (the checked collectives, metrics, checkpoints, process
-  groups, the hierarchical all-reduce);
-* :func:`check_agreed` compares values already gathered (a backend's
-  control-block table or shared-memory rows, which cannot call a collective
-  of their own), and raises.
-
-A value is a mapping of named *fields* (``{"shape": ..., "dtype": ...}``).
-When ranks differ, the error names the first field (in the mapping's order)
-whose values differ, and every rank's value of it, through
-:func:`~distopt.comm.messages.mismatch_message`: ``"<place>: <field>
-differs across ranks (rank 0: <value>, ranks 1-3: <value>); <hint>"``.
-Every rank sees the same values, so every rank raises.
+Every cross-rank check in distopt goes through this module, so the errors read alike whatever raised them: :func:`agree`
+gathers and compares (for a caller with only a communicator); :func:`check_agreed` compares values already gathered (a
+backend's control-block table or shared-memory rows). A value is a mapping of named *fields*
+(``{"shape": ..., "dtype": ...}``); when ranks differ, the error names the first field whose values differ and every
+rank's value of it (:func:`~distopt.comm.messages.mismatch_message`). All see the same values, so every rank raises.
 """
 from __future__ import annotations
 
@@ -40,15 +29,14 @@ Show = Callable[[Any], str]
 
 
 def digest(obj: Any) -> int:
-    """A stable 63-bit digest of a JSON-able object (the same in every process, unlike ``hash``;
-    other values count by their ``str``)."""
+    """A stable 63-bit digest of a JSON-able object (the same in every process, unlike ``hash``; others by ``str``)."""
     raw = hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 1
 
 
 def gather_objects(comm: Communicator, obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (collective): one ``all_gather_v`` of
-    uint8, each rank's pickle (its length in BYTES)."""
+    """Every rank's picklable ``obj``, in rank order, on every rank (collective: one ``all_gather_v`` of the
+    pickles)."""
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
     return [pickle.loads(part.tobytes()) for part in comm.all_gather_v(payload)]
 
@@ -59,8 +47,7 @@ def check_agreed(place: str, fields: Mapping[str, Sequence[Any]], *,
                  shown: Mapping[str, Sequence[Any]] | None = None) -> None:
     """Raise ``error`` when some field's values differ across ranks; return when every field agrees.
 
-    Not a collective: the values are already every rank's (a gathered table), so every rank that
-    calls it with the same table raises the same error.
+    Not a collective: every rank that calls it with the same gathered values raises the same error.
 
     Args:
         place: the call, starting the message (``"mpi all_reduce #3 on rank 0"``, ``"all_gather"``).
@@ -68,8 +55,8 @@ def check_agreed(place: str, fields: Mapping[str, Sequence[Any]], *,
         error: the exception type raised (called with the message).
         show: how a value reads in the message: one function, or one per field (default ``str``).
         hint: the likely cause, appended to the message: one text, or one per field.
-        shown: field -> every rank's value to show instead of the compared one (e.g. the full
-            shape where only the shape beyond the first dimension is compared).
+        shown: field -> every rank's value to show instead of the compared one (e.g. the full shape, where only its tail
+            is compared).
 
     Raises:
         error: naming the first differing field and every rank's value of it
@@ -93,39 +80,34 @@ def agree(comm: Communicator, fields: Mapping[str, Any] | Callable[[], Mapping[s
 
     What travels:
 
-    1. always, one ``comm.all_gather`` of ``2 + len(extra)`` int64 per rank
-       (``8 * (2 + len(extra))`` BYTES): ``(1 if this rank has a problem else 0, key, *extra)``,
-       ``key`` being :func:`digest` of ``fields``;
-    2. only when some rank has a problem or the keys differ, one :func:`gather_objects` of every
-       rank's ``(fields, shown, problem's class name and text)``, so every rank can name every
-       rank's values.
+    1. always, one ``comm.all_gather`` of ``2 + len(extra)`` int64 per rank: ``(1 if this rank has a problem else 0,
+       key, *extra)``, ``key`` being :func:`digest` of ``fields``;
+    2. when some rank has a problem or the keys differ, one :func:`gather_objects` of ``(fields, shown, problem)``.
 
     Args:
         comm: the communicator.
-        fields: this rank's value, field name -> JSON-able value (compared with ``==`` once gathered);
-            or a function returning it, called only when the ranks differ (then give ``key``).
+        fields: this rank's value, field name -> JSON-able value (compared with ``==`` once gathered); or a function
+            returning it, called only when the ranks differ (then give ``key``).
         call: the call, starting every message (``"all_gather"``, ``"save"``).
         error: the exception type raised when the fields differ.
         show: as for :func:`check_agreed`.
         hint: as for :func:`check_agreed`.
         shown: field -> this rank's value to show in the message instead of the compared one.
         problem: this rank's own error (a bad argument, a failed write), or None.
-        kinds: the exception types a problem is raised as: its own class when that is one of these
-            (by name) or a builtin subclass of one, else ``kinds[0]``.
+        kinds: the exception types a problem is raised as: its own class when that is one of these (by name) or a
+            builtin subclass of one, else ``kinds[0]``.
         extra: ints to gather alongside (every rank's, returned).
-        key: this rank's digest of ``fields`` when the caller keeps one (recomputed only when the
-            fields change); default :func:`digest` of ``fields``.
+        key: this rank's digest of ``fields`` when the caller keeps one; default :func:`digest` of ``fields``.
 
     Returns:
         int64, shape ``(size, len(extra))``: every rank's ``extra``, in rank order.
 
     Raises:
         kinds: on every rank, when any rank has a problem, before the fields are compared:
-            ``"<call> on rank <r>: <text>"`` for the first rank with one, then ``"; on rank <s>:
-            <text>"`` for every other, each text prefixed by its class name where that is not the
-            class raised. On the rank with the problem it is chained (``raise ... from problem``).
-        error: on every rank, the fields differ: naming the first differing field and every rank's
-            value of it (:func:`check_agreed`).
+            ``"<call> on rank <r>: <text>"`` for the first such rank, then ``"; on rank <s>: <text>"`` for every other
+            (the text prefixed by its class name where that is not the class raised), chained on the rank with the
+            problem.
+        error: on every rank, the fields differ: naming the first one and every rank's value (:func:`check_agreed`).
     """
     if key is None:
         fields = fields() if callable(fields) else fields
@@ -158,26 +140,20 @@ def _text(problem: BaseException) -> str:
 
 
 def _kind(name: str, kinds: tuple[type[BaseException], ...]) -> type[BaseException]:
-    for kind in kinds:
-        if kind.__name__ == name:
-            return kind
-    found = getattr(builtins, name, None)
-    if isinstance(found, type) and issubclass(found, kinds):
-        return found
-    return kinds[0]
+    found = next((kind for kind in kinds if kind.__name__ == name), getattr(builtins, name, None))
+    return found if isinstance(found, type) and issubclass(found, kinds) else kinds[0]
 
 
 def _raise_problem(call: str, failed: list[tuple[int, tuple[str, str]]], kinds: tuple[type[BaseException], ...],
                    problem: BaseException | None) -> None:
+    def message(kind: type[BaseException]) -> str:
+        return f"{call} " + "; ".join(f"on rank {r}: " + (f"{name}: " if name != kind.__name__ else "") + text
+                                      for r, (name, text) in failed)
+
     kind = _kind(failed[0][1][0], kinds)
     try:
-        exc = kind(_problem_message(call, failed, kind))
+        exc = kind(message(kind))
     except TypeError:  # a builtin class that takes other arguments (UnicodeDecodeError): its kind
         kind = next(k for k in kinds if issubclass(kind, k))
-        exc = kind(_problem_message(call, failed, kind))
+        exc = kind(message(kind))
     raise exc from problem
-
-
-def _problem_message(call: str, failed: list[tuple[int, tuple[str, str]]], kind: type[BaseException]) -> str:
-    parts = [f"on rank {r}: " + (f"{name}: " if name != kind.__name__ else "") + text for r, (name, text) in failed]
-    return f"{call} " + "; ".join(parts)

@@ -1,21 +1,12 @@
 """The control block MPI and torch.distributed exchange before every collective.
 
-MPI and torch.distributed do not check that every rank called the same
-collective with the same element count and dtype; a difference gives a
-partial sum, garbage or a hang. Those backends therefore all-gather a
-fixed-size *control block* per call (:class:`ControlBlock`): four int64s,
-``(kind, sequence number, element count, code)``, then up to
-:func:`inline_bytes` bytes of the call's own data. :func:`check` raises
-:class:`~distopt.errors.CollectiveMismatchError` on every rank (all see the
-same table) naming the first field that differs.
-
-A small collective (an all-reduce of a few KiB, a broadcast, a gather)
-travels inside its block, so it costs one exchange, and a small all-reduce
-is then reduced locally, in rank order (:func:`reduce_inline`: the same bits
-on every rank). Every block has the same size whatever the call, so two
-ranks in different calls still exchange well-formed blocks and the
-descriptors tell them apart. Each backend brings its own exchange (MPI: a
-persistent all-gather; torch: a gloo all-gather), bounded by its timeout.
+MPI and torch.distributed do not check that every rank called the same collective with the same element count and dtype;
+a difference gives a partial sum, garbage or a hang. Those backends therefore all-gather a fixed-size *control block*
+per call (:class:`ControlBlock`): four int64s, ``(kind, sequence number, element count, code)``, then up to
+:func:`inline_bytes` bytes of the call's own data; :func:`check` raises :class:`~distopt.errors.CollectiveMismatchError`
+on every rank (all see the same table) naming the first field that differs. A small collective travels inside its block,
+so it costs one exchange, and a small all-reduce is then reduced locally in rank order (:func:`reduce_inline`: the same
+bits on every rank). Every block has the same size, so ranks in different calls still exchange well-formed blocks.
 """
 from __future__ import annotations
 
@@ -32,7 +23,8 @@ from .messages import where
 from .rank_order import accumulator_dtype, reduce_in_rank_order
 
 __all__ = ["KINDS", "HEAD_BYTES", "MAX_INLINE_BYTES", "inline_bytes", "block_bytes", "encode", "kind_name",
-           "dtype_code", "same", "check", "reduce_inline", "ControlBlock", "new_buffers", "DIFFERENT_CALLS", "DIFFERENT_COUNTS"]
+           "dtype_code", "same", "check", "reduce_inline", "ControlBlock", "new_buffers", "DIFFERENT_CALLS",
+           "DIFFERENT_COUNTS"]
 
 #: Collective kinds, by code.
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier", "reduce_scatter", "all_gather_into",
@@ -41,9 +33,8 @@ KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier", "re
 #: Bytes of the descriptor at the start of a control block (four int64).
 HEAD_BYTES = 32
 
-#: Most BYTES of data one rank's control block carries inline. Larger blocks make the descriptor
-#: exchange of every larger call slower (2 ranks, MPICH: 8.7 us for an 8 KiB block, 2.5 us for
-#: 512 B), and 2 KiB blocks measured no faster per call.
+#: Most BYTES of data one rank's control block carries inline. Larger blocks make the descriptor exchange of every
+#: larger call slower (2 ranks, MPICH: 8.7 us for an 8 KiB block, 2.5 us for 512 B); 2 KiB blocks were no faster.
 MAX_INLINE_BYTES = 512
 
 #: Most BYTES all ranks' inline data may add up to (the block shrinks on large worlds).
@@ -56,8 +47,8 @@ DIFFERENT_COUNTS = "different buffers, or ranks at unequal step counts calling d
 
 
 def inline_bytes(size: int) -> int:
-    """BYTES of data one control block carries in a world of ``size`` ranks (512 up to 64 ranks,
-    then less, so one exchange gathers at most 32 KiB; at least 64)."""
+    """BYTES of data one control block carries in a world of ``size`` ranks (512 up to 64 ranks, then less, so one
+    exchange gathers at most 32 KiB; at least 64)."""
     return max(64, min(MAX_INLINE_BYTES, _GATHERED_BYTES // max(size, 1) // 8 * 8))
 
 
@@ -79,8 +70,7 @@ def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payloa
         seq: the call's sequence number on this communicator.
         count: the element count.
         code: the dtype/op (or root) code.
-        payload: C-contiguous array of any dtype, at most :func:`inline_bytes`
-            bytes, copied after the descriptor; None for none.
+        payload: None, or a C-contiguous array of any dtype, at most :func:`inline_bytes` bytes, to copy after it.
     """
     _HEAD.pack_into(block, 0, kind, seq, count, code)
     if payload is not None and payload.nbytes:
@@ -93,14 +83,12 @@ def encode(block: np.ndarray, kind: int, seq: int, count: int, code: int, payloa
 
 def reduce_inline(rows: Sequence[np.ndarray], op: str, out: np.ndarray) -> None:
     """Reduce every rank's inline copy into ``out``: in rank order
-    (:func:`~distopt.comm.rank_order.reduce_in_rank_order`), 16-bit floats in float32 rounded once,
-    then ``"avg"`` divided by the number of ranks in ``out``'s dtype (as the backends' large paths do).
+    (:func:`~distopt.comm.rank_order.reduce_in_rank_order`), 16-bit floats in float32 rounded once, then ``"avg"``
+    divided by the number of ranks in ``out``'s dtype (as the backends' large paths do).
 
     Args:
-        rows: one array per rank, in rank order, each of ``out``'s shape and
-            dtype (16-bit floats: or already widened to float32).
-        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; booleans reduce as
-            OR (sum, max) and AND (min).
+        rows: one array per rank, in rank order, of ``out``'s shape and dtype (16-bit floats: or widened to float32).
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; booleans reduce as OR (sum, max) and AND (min).
         out: the result (the caller's array), written in place.
     """
     wide = accumulator_dtype(out.dtype)
@@ -137,8 +125,7 @@ def check(everyone: np.ndarray, place: str) -> None:
         place: the call, for the message (:func:`~distopt.comm.messages.where`).
 
     Raises:
-        CollectiveMismatchError: naming every rank's collective and number,
-            element count, or dtype/op code, whichever differs first.
+        CollectiveMismatchError: naming every rank's collective, element count or dtype/op code (the first differing).
     """
     rows = everyone.tolist()
     if rows.count(rows[0]) == len(rows):
@@ -156,14 +143,10 @@ class ControlBlock:
     Args:
         backend: the backend's name, for messages (``"mpi"``, ``"torch"``).
         rank: this process's rank.
-        block: uint8, shape ``(block_bytes(size),)``: this rank's block, the
-            exchange's send buffer (see :func:`new_buffers`).
-        table: uint8, shape ``(size, block_bytes(size))``: every rank's block
-            after an exchange (row r: rank r's), the receive buffer.
-        exchange: all-gathers ``block`` into ``table`` and waits for it,
-            bounded; called with the call's name (``"all_reduce #3"``). It
-            raises :class:`~distopt.errors.CollectiveTimeoutError` (and sets
-            :attr:`broken`) when the deadline passes.
+        block: uint8, shape ``(block_bytes(size),)``: this rank's block, the exchange's send buffer.
+        table: uint8, shape ``(size, block_bytes(size))``: the receive buffer, row r rank r's block after an exchange.
+        exchange: all-gathers ``block`` into ``table``, bounded; called with the call's name (``"all_reduce #3"``), it
+            raises :class:`~distopt.errors.CollectiveTimeoutError` (and sets :attr:`broken`) past the deadline.
 
     Attributes:
         seq: the number of the last call (1 for the first).
@@ -174,8 +157,7 @@ class ControlBlock:
 
     def __init__(self, backend: str, rank: int, block: np.ndarray, table: np.ndarray,
                  exchange: Callable[[str], None]) -> None:
-        self.backend, self.rank, self.block, self.table = backend, rank, block, table
-        self._exchange = exchange
+        self.backend, self.rank, self.block, self.table, self._exchange = backend, rank, block, table, exchange
         self.seq, self.kind = 0, -1
         self.broken: str | None = None
         self.inline = inline_bytes(table.shape[0])
@@ -183,12 +165,11 @@ class ControlBlock:
         self._typed: dict[np.dtype, np.ndarray] = {}  # the table viewed as each dtype read inline
 
     def agree(self, kind: str, count: int, code: int, payload: np.ndarray | None = None) -> str:
-        """Exchange (kind, seq, count, code) and ``payload`` (at most :attr:`inline` bytes) in one block;
-        raise on every rank if ranks differ.
+        """Exchange (kind, seq, count, code) and ``payload`` (at most :attr:`inline` bytes); raise if ranks differ.
 
         Returns:
-            The call's name for messages (``"all_reduce #3"``); every rank's
-            inline bytes are in :attr:`table` until the next call.
+            The call's name for messages (``"all_reduce #3"``); the inline bytes stay in :attr:`table` until the next
+            call.
 
         Raises:
             DistOptError: an earlier call failed (the communicator is unusable).
@@ -207,15 +188,14 @@ class ControlBlock:
         return what
 
     def agree_counts(self, kind: str, count: int, code: int, counts: Sequence[int]) -> str:
-        """:meth:`agree` on a sharded call, its inline data the
-        :func:`~distopt.comm.base.counts_digest` of ``counts`` (the validated ELEMENTS per rank).
+        """:meth:`agree` on a sharded call, its inline data the :func:`~distopt.comm.base.counts_digest` of ``counts``.
 
         Returns:
             The call's name for messages (``"reduce_scatter #3"``).
 
         Raises:
-            CollectiveMismatchError: on every rank (all see the same table), when the descriptors or
-                the counts differ; the message names every rank's digest and this rank's counts.
+            CollectiveMismatchError: on every rank (all see the same table), when the descriptors or the counts differ;
+                the message names every rank's digest and this rank's counts.
             DistOptError / CollectiveTimeoutError: as :meth:`agree`.
         """
         what = self.agree(kind, count, code, np.array([counts_digest(counts)], dtype=np.int64))
@@ -226,8 +206,8 @@ class ControlBlock:
         return what
 
     def rows(self, dtype: np.dtype, count: int) -> np.ndarray:
-        """Every rank's inline array of ``count`` elements of ``dtype``, shape ``(size, count)``: a view
-        into the table (no copy: read it before the next call)."""
+        """Every rank's inline array of ``count`` elements of ``dtype``, shape ``(size, count)``: a view into the table
+        (no copy: read it before the next call)."""
         typed = self._typed.get(dtype)
         if typed is None:  # blocks and the descriptor are multiples of 8 bytes, the largest item size
             typed = self._typed[dtype] = self.table.view(dtype)
@@ -236,6 +216,6 @@ class ControlBlock:
 
 
 def new_buffers(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A zeroed block (uint8, ``(block_bytes(size),)``) and table (uint8, ``(size, block_bytes(size))``)
-    for a :class:`ControlBlock` of a world of ``size`` ranks."""
+    """A zeroed block (uint8, ``(block_bytes(size),)``) and table (uint8, ``(size, block_bytes(size))``) for a
+    :class:`ControlBlock` of a world of ``size`` ranks."""
     return np.zeros(block_bytes(size), np.uint8), np.zeros((size, block_bytes(size)), np.uint8)

@@ -1,12 +1,10 @@
 """Process groups: a sub-world over some of a communicator's ranks.
 
-The field's names for it: torch's ``dist.new_group(ranks)``, Horovod's
-process sets, MPI's ``Comm_split``. :func:`split` is collective over the
-parent communicator: every rank of the parent calls it, in the same order,
-with the same ranks. The group's own communicator is a new communicator of
-the parent's backend (its collectives never interleave with the parent's);
-its ranks are the members' parent ranks in ascending order, renumbered from
-0. A rank outside the group gets a :class:`Group` whose ``comm`` is None.
+The field's names for it: torch's ``dist.new_group(ranks)``, Horovod's process sets, MPI's ``Comm_split``. :func:`split`
+is collective over the parent communicator: every rank of the parent calls it, in the same order, with the same ranks.
+The group's communicator is a new one of the parent's backend (its collectives never interleave with the parent's); its
+ranks are the members' parent ranks in ascending order, renumbered from 0. A rank outside the group gets a
+:class:`Group` whose ``comm`` is None.
 """
 from __future__ import annotations
 
@@ -91,11 +89,9 @@ def _check_ranks(ranks: Any, size: int) -> tuple[int, ...]:
 def split(parent: Communicator, ranks: Iterable[int], name: str | None = None) -> Group:
     """A process group of ``ranks`` of ``parent`` (collective over ``parent``).
 
-    Every rank of ``parent`` first shares its ``ranks`` and ``name`` (one
-    variable-length all-gather), so a bad or differing argument is raised on
-    every rank; then the backend builds the group's communicator
-    (``parent.split(ranks)``: MPI ``Comm_split``, ``torch.distributed.new_group``,
-    a new shared-memory segment set, or the single-process world).
+    Every rank of ``parent`` first shares its ``ranks`` and ``name``, so a bad or differing argument is raised on every
+    rank; then the backend builds the group's communicator (``parent.split(ranks)``: MPI ``Comm_split``,
+    ``torch.distributed.new_group``, new shared-memory segments, or the single-process world).
 
     Args:
         parent: the communicator whose ranks are split.
@@ -106,10 +102,8 @@ def split(parent: Communicator, ranks: Iterable[int], name: str | None = None) -
         The :class:`Group` (``comm`` None on a rank outside it).
 
     Raises:
-        TypeError / ValueError: on every rank, naming each rank whose ``ranks`` is bad
-            (``"new_group on rank 1: ranks must be in [0, 2), got ..."``).
-        CollectiveMismatchError: on every rank, the ranks disagree on the group's members or name,
-            naming every rank's (:func:`~distopt.comm.consensus.agree`).
+        TypeError / ValueError: on every rank, naming each rank whose ``ranks`` is bad (``"new_group on rank 1: ..."``).
+        CollectiveMismatchError: on every rank, the ranks disagree on the members or name (naming every rank's).
         ValueError: the backend cannot split (NCCL; a torch group of a group).
     """
     if not callable(getattr(parent, "split", None)):

@@ -1,43 +1,18 @@
 """Hierarchical all-reduce: reduce inside each node, all-reduce across nodes, gather inside each node.
 
-With W = N nodes x L processes per node, a flat ring all-reduce sends
-2(W-1)/W of the array over the links, and L ranks share each node's link.
-The hierarchical form (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``, NCCL's
-tree, and the "2D" all-reduce of Jia et al. 2018, "Highly Scalable Deep
-Learning Training System with Mixed-Precision") does:
+The "2D" all-reduce of Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision" (Horovod's
+``HOROVOD_HIERARCHICAL_ALLREDUCE``, NCCL's tree): with W = N nodes x L processes per node, local rank l reduce-scatters
+its node's arrays over shared memory (segment l of ``split_counts(n, L)`` ELEMENTS; the node's ranks are told apart by
+host name), all-reduces that segment across the nodes with the other ranks of local rank l (one communicator per local
+rank, so the L segments cross the links in parallel), and all-gathers the node's segments over shared memory. Each
+node's link then carries 2(N-1)/N of the array in each direction instead of L times a flat ring's 2(W-1)/W.
 
-1. a reduce-scatter inside the node, over shared memory (the shm
-   backend's segments; the node's ranks are told apart by host name):
-   local rank l gets the node's sum of segment l (of
-   ``split_counts(n, L)`` ELEMENTS);
-2. an all-reduce of that segment across the nodes, between the ranks of
-   local rank l (one communicator per local rank, so the L segments cross
-   the links in parallel, each 1/L of the array);
-3. an all-gather inside the node (shared memory again), so every rank
-   holds the whole sum.
-
-Each node's link then carries 2(N-1)/N of the array in each direction
-instead of L times a ring's share.
-
-Summation order: element i is the sum, in the backend's inter-node order,
-of the per-node sums, each in the backend's intra-node order (local ranks
-ascending: the shm backend adds in rank order). The float result differs from
-the flat all-reduce by re-association only: within a relative 2(W-1)
-units in the last place of the sum of absolute values (float32: about
-1e-6 relative at W = 4). It is identical on every rank: each segment is
-reduced by one rank per node and gathered, and each inter-node all-reduce
-gives its members the same bits (MPI and gloo do). ``"avg"`` divides each
-segment by W once, before the gather.
-
-Each phase runs on a thread of its own, the only user of its
-communicator, so successive all-reduces pipeline (one bucket crosses the
-link while the next is reduced inside the node) and every communicator
-sees its calls in call order on every rank. On MPI this needs
-``MPI_THREAD_MULTIPLE`` (what mpi4py asks for by default).
-
-Only float ``"sum"``/``"avg"`` all-reduces of at least :data:`MIN_BYTES`
-go this way; everything else (small all-reduces, max/min, integers, and
-every other collective) runs on the flat communicator.
+The sum is the per-node sums (local ranks ascending) added in the backend's inter-node order: it differs from the flat
+all-reduce by re-association only (within a relative 2(W-1) units in the last place of the sum of absolute values) and
+is identical on every rank. ``"avg"`` divides each segment by W once, before the gather. Each phase runs on a thread of
+its own, the only user of its communicator, so successive all-reduces pipeline and every communicator sees its calls in
+call order on every rank (on MPI this needs ``MPI_THREAD_MULTIPLE``). Only float ``"sum"``/``"avg"`` all-reduces of at
+least :data:`MIN_BYTES` go this way; the rest runs on the flat communicator.
 """
 from __future__ import annotations
 
@@ -97,8 +72,7 @@ def _unsupported(comm: Communicator, local_size: int) -> str:
     """Why ``comm``'s backend or this machine cannot run it ('' when they can)."""
     if not callable(getattr(comm, "split", None)):
         return f"the {getattr(comm, 'name', '?')!r} communicator has no process groups"
-    raw = getattr(comm, "raw", None)
-    if comm.name == "mpi" and raw is not None:
+    if comm.name == "mpi" and getattr(comm, "raw", None) is not None:
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -115,20 +89,15 @@ def hierarchical_for(comm: Communicator, choice: bool | None, host: str | None =
 
     Args:
         comm: the flat communicator.
-        choice: None (automatic: hierarchical on the torch backend when
-            there are several nodes with the same number, more than one, of
-            processes each; MPI's own all-reduce already keeps most of its
-            traffic inside the nodes, see ``docs/multinode.md``), True
-            (required; mpi or torch), False (flat).
+        choice: None (automatic: hierarchical on the torch backend when there are several nodes with the same number,
+            more than one, of processes each; MPI's own all-reduce already keeps most of its traffic inside the nodes,
+            see ``docs/multinode.md``), True (required; mpi or torch), False (flat).
         host: this process's node name (default ``socket.gethostname()``).
 
     Raises:
-        ValueError: on every rank, ``choice=True`` where the layout or the
-            backend does not allow it (the message says why).
+        ValueError: on every rank, ``choice=True`` where the layout or the backend does not allow it (saying why).
     """
-    if choice is False:
-        return comm
-    if choice is None and getattr(comm, "name", "") != "torch":
+    if choice is False or (choice is None and getattr(comm, "name", "") != "torch"):
         return comm
     nodes = node_layout(comm, host)
     why = _eligible(nodes) or _unsupported(comm, len(nodes[0]))
@@ -140,14 +109,9 @@ def hierarchical_for(comm: Communicator, choice: bool | None, host: str | None =
     return HierarchicalCommunicator(comm, nodes)
 
 
-def _numpy(array: Any) -> np.ndarray:
-    """``array`` itself, or a NumPy view of a CPU torch tensor's memory."""
-    return array if isinstance(array, np.ndarray) else array.numpy()
-
-
 class _Pending:
-    """An asynchronous hierarchical all-reduce: ``test()`` never blocks; ``wait()`` returns the array or
-    raises the error of the phase that failed (each phase is bounded by its communicator's timeout)."""
+    """An asynchronous hierarchical all-reduce: ``test()`` never blocks; ``wait()`` returns the array or raises the
+    error of the phase that failed (each phase is bounded by its communicator's timeout)."""
 
     def __init__(self, future: Future, array: Any) -> None:
         self._future, self._array = future, array
@@ -161,8 +125,8 @@ class _Pending:
 
 
 def _then(future: Future, pool: ThreadPoolExecutor, fn: Callable[[Any], Any]) -> Future:
-    """A future of ``fn(future.result())`` run on ``pool``: submitted when ``future`` completes, by the
-    thread that completed it, so the calls reach ``pool`` in the order their inputs completed."""
+    """A future of ``fn(future.result())`` run on ``pool``: submitted when ``future`` completes, by the thread that
+    completed it, so the calls reach ``pool`` in the order their inputs completed."""
     out: Future = Future()
 
     def relay(inner: Future) -> None:
@@ -173,11 +137,10 @@ def _then(future: Future, pool: ThreadPoolExecutor, fn: Callable[[Any], Any]) ->
             out.set_result(inner.result())
 
     def submit(done: Future) -> None:
-        error = done.exception()
-        if error is not None:
-            out.set_exception(error)
-            return
-        pool.submit(fn, done.result()).add_done_callback(relay)
+        if done.exception() is not None:
+            relay(done)
+        else:
+            pool.submit(fn, done.result()).add_done_callback(relay)
 
     future.add_done_callback(submit)
     return out
@@ -190,8 +153,7 @@ class HierarchicalCommunicator:
 
     Args:
         flat: the communicator over all ranks (mpi or torch).
-        nodes: the ranks of each node (:func:`node_layout`), every node with
-            the same number of processes.
+        nodes: the ranks of each node (:func:`node_layout`), every node with the same number of processes.
 
     Attributes:
         intra: this node's shared-memory communicator (the reduce-scatters), ranks = local ranks.
@@ -238,41 +200,34 @@ class HierarchicalCommunicator:
         return (callable(contiguous) and not getattr(array, "is_cuda", True) and contiguous()
                 and str(array.dtype) in _TORCH_FLOATS and array.numel() * array.element_size() >= MIN_BYTES)
 
-    def _agree(self, array: Any, op: str) -> None:
-        """Check that every rank passes the same element count, dtype and op (one small flat all-gather:
-        :func:`~distopt.comm.consensus.agree`)."""
-        n = array.size if isinstance(array, np.ndarray) else array.numel()
-        agree(self.flat, {"element count": n, "dtype": str(array.dtype), "op": op},
-              call=f"{self.name} hierarchical all_reduce", hint="different buffers, or ranks at unequal step counts")
-
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """All-reduce ``array`` in place (hierarchically when large, float, sum/avg; else flat); returns it.
 
-        The ranks first compare the element count, dtype and op over the
-        flat communicator (large float sums only; the others are the flat
-        communicator's, which checks them itself).
+        The ranks first compare the element count, dtype and op over the flat communicator
+        (:func:`~distopt.comm.consensus.agree`; large float sums only, the flat communicator checks the others).
 
         Raises:
-            CollectiveMismatchError: on every rank, the element count, dtype or op differs, naming
-                every rank's (``"<backend> hierarchical all_reduce: element count differs across ranks
-                (...)"``); or as the flat communicator's ``all_reduce``.
+            CollectiveMismatchError: on every rank, the element count, dtype or op differs (``"<backend> hierarchical
+                all_reduce: element count differs across ranks (...)"``); or as the flat ``all_reduce``.
             CollectiveTimeoutError: a phase (inside the node or across) missed its deadline.
         """
         if not self._hierarchical(array, op):
             return self.flat.all_reduce(array, op)
-        self._agree(array, op)
+        n = array.size if isinstance(array, np.ndarray) else array.numel()
+        agree(self.flat, {"element count": n, "dtype": str(array.dtype), "op": op},
+              call=f"{self.name} hierarchical all_reduce", hint="different buffers, or ranks at unequal step counts")
         return self._start(array, op).wait()
 
     def all_reduce_async(self, array: Any, op: str = "sum") -> Any:
-        """Start :meth:`all_reduce` (no agreement check, as the backends' ``all_reduce_async``); a handle
-        with ``test()`` and ``wait()`` (returns ``array``). Calls complete in the order they started."""
+        """Start :meth:`all_reduce` (no agreement check, as the backends' ``all_reduce_async``); a handle with
+        ``test()`` and ``wait()`` (returns ``array``). Calls complete in the order they started."""
         if not self._hierarchical(array, op):
             return self.flat.all_reduce_async(array, op)
         return self._start(array, op)
 
     def _start(self, array: Any, op: str) -> _Pending:
         """Queue the three phases of one hierarchical all-reduce of ``array``."""
-        flat = _numpy(array).reshape(-1)
+        flat = (array if isinstance(array, np.ndarray) else array.numpy()).reshape(-1)  # a view of a CPU tensor
         counts, (lo, hi) = self.counts(flat.size), self.bounds(flat.size)
 
         def across(segment: np.ndarray) -> np.ndarray:
@@ -289,8 +244,7 @@ class HierarchicalCommunicator:
         return _Pending(_then(_then(scattered, self._pools[1], across), self._pools[2], gather), array)
 
     def close_layers(self) -> None:
-        """Finish the queued calls and close the node and cross-node communicators built here; the flat
-        one stays open (idempotent)."""
+        """Finish the queued calls and close the communicators built here, not the flat one (idempotent)."""
         for pool in self._pools:
             pool.shutdown()
         for comm in (self.gather_comm, self.inter, self.intra):

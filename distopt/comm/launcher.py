@@ -1,8 +1,7 @@
 """Starting collectives asynchronously: the :class:`Handle` protocol and the step's :class:`Launcher`.
 
-A backend's own non-blocking calls (MPI's ``Iallreduce``, NCCL on its
-stream, torch's ``async_op``) give handles; a backend without them (shared
-memory) runs each call on one worker thread, in order.
+A backend's own non-blocking calls (MPI's ``Iallreduce``, NCCL on its stream, torch's ``async_op``) give handles; a
+backend without them (shared memory) runs each call on one worker thread, in order.
 """
 from __future__ import annotations
 
@@ -16,14 +15,12 @@ __all__ = ["Handle", "ThreadHandle", "Launcher"]
 
 
 class Handle(Protocol):
-    """A collective in progress: a bucket's reduction (what
-    :meth:`~distopt.strategies.base.GradientStrategy.start` returns and ``finish`` takes), a gather.
+    """A collective in progress: a gather, or a bucket's reduction (what
+    :meth:`~distopt.strategies.base.GradientStrategy.start` returns and ``finish`` takes).
 
-    The pipeline calls :meth:`test` while backward runs (MPI progresses a
-    non-blocking collective only inside MPI calls) and may :meth:`wait`
-    early to bound the reductions in flight; :meth:`wait` may be called
-    more than once. The handles of :meth:`~distopt.strategies.base.BucketContext.launch` are
-    Handles.
+    The pipeline calls :meth:`test` while backward runs (MPI progresses a non-blocking collective only inside MPI calls)
+    and may :meth:`wait` early to bound the reductions in flight; :meth:`wait` may be called more than once. The handles
+    of :meth:`~distopt.strategies.base.BucketContext.launch` are Handles.
     """
 
     def test(self) -> bool:
@@ -86,18 +83,17 @@ class Launcher:
         return lambda array, op: self._submit(self.comm.reduce_scatter, array, counts, op)
 
     def gather(self, array: Any, counts: Sequence[int]) -> Any:
-        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``);
-        its handle's ``wait()`` completes it. Without one it is complete on return, run by :meth:`call`:
-        left on the worker thread, it could pair with a collective the caller makes meanwhile."""
+        """Start an in-place all-gather of ``array`` over ``counts`` (the backend's ``all_gather_into_async``); its
+        handle's ``wait()`` completes it. Without one it is complete on return, run by :meth:`call`: left on the worker
+        thread, it could pair with a collective the caller makes meanwhile."""
         native = getattr(self.comm, "all_gather_into_async", None)
         if native is not None:
             return native(array, counts)
         return Completed(self.call(self.comm.all_gather_into, array, counts))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the
-        worker thread while it still runs one (two threads must not interleave one communicator's calls),
-        else on the caller's."""
+        """``fn(*args)``, a collective of ``comm``, in order with the reductions started before it: on the worker thread
+        while it still runs one (two threads must not interleave one communicator's calls), else on the caller's."""
         if self._last is None or self._last.done():  # the worker holds nothing: no interleaving
             return fn(*args)
         return self._submit(fn, *args).wait()

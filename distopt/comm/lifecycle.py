@@ -1,15 +1,11 @@
 """What every backend shares around its collectives: closing, exit, profiling, wait time.
 
-* :func:`collective` decorates a backend's public calls: a call on a closed
-  communicator raises :class:`~distopt.errors.CommunicatorClosedError` at
-  once (before anything is sent or written); the call shows up in
-  ``torch.profiler`` traces as ``distopt.<name>`` when torch is already
-  imported and a profiler is recording (torch is never imported for it);
-  its wall time is added to the communicator's ``wait_seconds``.
-* :func:`close_at_exit` closes, at interpreter exit, the communicators that
-  were never closed (in reverse order of creation, the same on every rank),
-  before MPI is finalized; then the functions given to :func:`last_at_exit`
-  run (the MPI backend frees there what no close round freed).
+* :func:`collective` decorates a backend's public calls: a call on a closed communicator raises
+  :class:`~distopt.errors.CommunicatorClosedError` at once (before anything is sent or written); the call shows up in
+  ``torch.profiler`` traces as ``distopt.<name>`` when torch is already imported and a profiler is recording (torch is
+  never imported for it); its wall time is added to the communicator's ``wait_seconds``.
+* :func:`close_at_exit` closes, at interpreter exit and before MPI is finalized, the communicators that were never
+  closed (in reverse order of creation, the same on every rank); then the functions of :func:`last_at_exit` run.
 """
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ _NULL = contextlib.nullcontext()
 def profile_range(label: str) -> contextlib.AbstractContextManager:
     """A ``torch.profiler`` range named ``label`` while a profiler records, else a no-op.
 
-    Never imports torch: without ``torch`` in ``sys.modules`` nobody can be
-    profiling with it.
+    Never imports torch: without ``torch`` in ``sys.modules`` nobody can be profiling with it.
     """
     torch = sys.modules.get("torch")
     if torch is None or not torch.autograd._profiler_enabled():
@@ -48,9 +43,8 @@ class CommunicatorState:
     """The lifecycle fields of a backend (a mixin).
 
     Attributes:
-        wait_seconds: wall-clock seconds this process has spent inside the
-            communicator's blocking calls (collectives and handle waits,
-            data movement included), since it was built.
+        wait_seconds: wall-clock seconds this process has spent inside the communicator's blocking calls (collectives
+            and handle waits, data movement included), since it was built.
         closed: True once :meth:`close` has run.
     """
 
@@ -61,14 +55,11 @@ class CommunicatorState:
     closed: bool = False
     _in_call: bool = False
 
-    def _closed_error(self, call: str) -> CommunicatorClosedError:
-        return CommunicatorClosedError(
-            f"{call} on the closed {self.name} communicator (rank {self.rank} of {self.size}): it was "
-            "closed (close() or DistOpt.close()) and cannot be used again; build a new one")
-
     def _check_open(self, call: str) -> None:
         if self.closed:
-            raise self._closed_error(call)
+            raise CommunicatorClosedError(
+                f"{call} on the closed {self.name} communicator (rank {self.rank} of {self.size}): it was "
+                "closed (close() or DistOpt.close()) and cannot be used again; build a new one")
 
     def __enter__(self) -> Any:
         return self
@@ -80,8 +71,7 @@ class CommunicatorState:
 def timed_call(comm: CommunicatorState, label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` inside a profiler range ``label``, its wall time added to ``comm.wait_seconds``.
 
-    Plain code, no context-manager object: it wraps every collective, and
-    small collectives take microseconds.
+    Plain code, no context-manager object: it wraps every collective, and small collectives take microseconds.
     """
     start = time.perf_counter()
     try:
@@ -100,8 +90,7 @@ def collective(method: F) -> F:
 
     @functools.wraps(method)
     def call(self: CommunicatorState, *args: Any, **kwargs: Any) -> Any:
-        if self.closed:
-            raise self._closed_error(method.__name__)
+        self._check_open(method.__name__)
         if self._in_call:  # a collective built from others (e.g. staged through the device): time it once
             return method(self, *args, **kwargs)
         self._in_call = True
@@ -116,8 +105,7 @@ def collective(method: F) -> F:
 class Completed:
     """The handle of an all-reduce that needs no host wait: ``test()`` is True, ``wait()`` returns the array.
 
-    Used where the result is ready (world size 1) or already ordered on the
-    caller's CUDA stream (NCCL).
+    Used where the result is ready (world size 1) or already ordered on the caller's CUDA stream (NCCL).
     """
 
     def __init__(self, array: Any) -> None:
@@ -135,7 +123,6 @@ class Completed:
 _open: list[Any] = []
 _last: list[Callable[[], None]] = []
 _lock = threading.Lock()
-_registered = False
 
 
 def _close_all() -> None:
@@ -153,17 +140,14 @@ def _close_all() -> None:
             sys.stderr.write(f"distopt: cleaning up at exit failed: {exc}\n")
 
 
-def _register() -> None:
-    global _registered
-    if not _registered:
-        atexit.register(_close_all)
-        _registered = True
+@functools.cache
+def _register() -> None:  # once: atexit.register runs a function as often as it was registered
+    atexit.register(_close_all)
 
 
 def last_at_exit(fn: Callable[[], None]) -> None:
-    """Have ``fn()`` run once at interpreter exit, after every open communicator was closed (and
-    before MPI is finalized); functions run in the order given, an error is reported and skipped.
-    Registering the same function twice runs it once."""
+    """Have ``fn()`` run once (however often registered) at interpreter exit, after every open communicator was closed
+    and before MPI is finalized; in the order given, an error reported and skipped."""
     with _lock:
         _register()
         if fn not in _last:
@@ -173,8 +157,7 @@ def last_at_exit(fn: Callable[[], None]) -> None:
 def close_at_exit(comm: Any) -> None:
     """Have ``comm.close()`` run at interpreter exit unless it is closed before.
 
-    The handler is registered with :mod:`atexit` after mpi4py is imported,
-    so it runs before mpi4py finalizes MPI.
+    The handler is registered with :mod:`atexit` after mpi4py is imported, so it runs before mpi4py finalizes MPI.
     """
     with _lock:
         _register()

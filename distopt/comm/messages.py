@@ -1,9 +1,8 @@
-"""The texts of :class:`~distopt.errors.CollectiveTimeoutError` and
-:class:`~distopt.errors.CollectiveMismatchError`: one form each, for every backend.
+"""The texts of :class:`~distopt.errors.CollectiveTimeoutError` and :class:`~distopt.errors.CollectiveMismatchError`:
+one form each, for every backend.
 
-Every message starts with :func:`where` (backend, collective, its number on
-the communicator, the rank that raises: ``"mpi all_reduce #12 on rank 0"``),
-so errors from any backend read alike and name the call.
+Every message starts with :func:`where` (backend, collective, its number on the communicator, the rank that raises:
+``"mpi all_reduce #12 on rank 0"``), so errors from any backend read alike and name the call.
 """
 from __future__ import annotations
 
@@ -25,18 +24,15 @@ def where(backend: str, call: str, rank: int) -> str:
 def timeout_message(place: str, seconds: float, reason: str | None = None, who: str | None = None) -> str:
     """The text of a missed deadline.
 
-    ``"<place> did not complete within <seconds> s (<reason>): timed out after
-    <seconds> s; <who>"``, the parts in parentheses and after the colon only
-    when given.
+    ``"<place> did not complete within <seconds> s (<reason>): timed out after <seconds> s; <who>"``, the parts in
+    parentheses and after the colon only when given.
 
     Args:
         place: :func:`where` of the call.
         seconds: the deadline, in seconds.
-        reason: the likely cause and what the backend did or is now (e.g.
-            ``f"{STALLED}; {UNUSABLE}"``).
-        who: which ranks did not arrive, when the backend can tell
-            (``"rank 1 did not arrive"``, ``"ranks that did not arrive: 1
-            (at all_reduce #4)"``).
+        reason: the likely cause and what the backend did or is now (e.g. ``f"{STALLED}; {UNUSABLE}"``).
+        who: which ranks did not arrive, when the backend can tell (``"rank 1 did not arrive"``, ``"ranks that did not
+            arrive: 1 (at all_reduce #4)"``).
     """
     text = f"{place} did not complete within {seconds:g} s"
     if reason:
@@ -47,8 +43,8 @@ def timeout_message(place: str, seconds: float, reason: str | None = None, who: 
 
 
 def failure_message(place: str, cause: str, consequence: str) -> str:
-    """The text of a collective that cannot complete before its deadline: ``"<place> failed: <cause>;
-    <consequence>"``, e.g. a peer that exited (``cause="rank 1 (pid 42) has exited"``)."""
+    """The text of a collective that cannot complete before its deadline: ``"<place> failed: <cause>; <consequence>"``,
+    e.g. a peer that exited (``cause="rank 1 (pid 42) has exited"``)."""
     return f"{place} failed: {cause}; {consequence}"
 
 
@@ -67,15 +63,12 @@ def mismatch_message(place: str, field: str, values: Sequence[str] | Mapping[int
                      ) -> str:
     """The text of ranks that called different collectives.
 
-    ``"<place>: <field> differs across ranks (rank 0: <value>, ranks 1-3:
-    <value>); <hint>"``.
+    ``"<place>: <field> differs across ranks (rank 0: <value>, ranks 1-3: <value>); <hint>"``.
 
     Args:
         place: :func:`where` of the call, or another name of it.
-        field: what differs: ``"collective"``, ``"element count"``,
-            ``"dtype"``, ``"op"``, ``"root"``, ...
-        values: every rank's value in rank order, or ``{rank: value}`` for
-            the ranks whose values are known (e.g. rank 0's and this one's).
+        field: what differs: ``"collective"``, ``"element count"``, ``"dtype"``, ``"op"``, ``"root"``, ...
+        values: every rank's value in rank order, or ``{rank: value}`` for the ranks whose values are known.
         hint: the likely cause, or None.
     """
     known = values if isinstance(values, Mapping) else dict(enumerate(values))

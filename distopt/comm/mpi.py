@@ -1,25 +1,14 @@
 """MPI backend on mpi4py: buffer (uppercase) calls only, every wait bounded.
 
-Each collective is issued non-blocking (``Iallreduce``, ``Ibcast``, ...) and
-tested against a deadline, so a rank that never arrives turns into a
-:class:`~distopt.errors.CollectiveTimeoutError` instead of a hang. Before the
-data moves, the ranks exchange a 4-integer descriptor (collective kind,
-sequence number, element count, dtype/op code) with one small all-gather (a
-persistent collective, set up once: MPI 4's ``Allgather_init``); a difference
-raises :class:`~distopt.errors.CollectiveMismatchError` on every rank instead
-of a partial or garbled result. Small calls (up to 512 bytes per
-rank) carry their data in that same exchange (see
-:mod:`~distopt.comm.control`): one collective per call. On a
-timeout, the error names the ranks that did not arrive and the collective
-each one is in (:mod:`~distopt.comm.mpi_where`).
+Each collective is issued non-blocking (``Iallreduce``, ``Ibcast``, ...) and tested against a deadline, so a rank that
+never arrives is a :class:`~distopt.errors.CollectiveTimeoutError` naming the ranks that did not arrive and the
+collective each one is in (:mod:`~distopt.comm.mpi_where`), not a hang. Before the data moves, the ranks all-gather a
+control block (:mod:`~distopt.comm.control`; a persistent collective, MPI 4's ``Allgather_init``), so ranks in different
+calls raise :class:`~distopt.errors.CollectiveMismatchError` on every rank instead of a partial or garbled result; small
+calls (up to 512 bytes per rank) carry their data in it: one collective per call.
 
-float16 and bfloat16 have no MPI datatype: they travel as 16-bit words
-(``MPI.UINT16_T``, 2 bytes per element on the wire) and are summed by a
-reduce-scatter, a float32 sum rounded once, and an all-gather
-(:mod:`~distopt.comm.mpi_half`); how each dtype travels is
-:mod:`~distopt.comm.mpi_types`. The sharded collectives (reduce-scatter,
-in-place all-gather, all-to-all, with ``_async`` forms) are in
-:mod:`~distopt.comm.mpi_shards`.
+How each dtype travels is :mod:`~distopt.comm.mpi_types` (float16 and bfloat16 sums: :mod:`~distopt.comm.mpi_half`); the
+sharded collectives are in :mod:`~distopt.comm.mpi_shards`.
 """
 from __future__ import annotations
 
@@ -32,22 +21,20 @@ try:
     from mpi4py import MPI
 except RuntimeError as exc:  # mpi4py 4 loads libmpi at import: "cannot load MPI library"
     raise ImportError(
-        f"mpi4py cannot load an MPI library ({str(exc).splitlines()[-1]}). Install one with "
-        "pip install 'distopt[mpich]' (or point MPI4PY_LIBMPI at your MPI's libmpi.so), or launch "
-        "without MPI: torchrun (backend 'torch'), python -m distopt.launch (backend 'shm'), or a "
-        "plain single process"
-    ) from exc
+        f"mpi4py cannot load an MPI library ({str(exc).splitlines()[-1]}). Install one with pip install "
+        "'distopt[mpich]' (or point MPI4PY_LIBMPI at your MPI's libmpi.so), or launch without MPI: torchrun "
+        "(backend 'torch'), python -m distopt.launch (backend 'shm'), or a plain single process") from exc
 
 from ..errors import CollectiveTimeoutError
 from ..launch.ranks import describe
 from . import control
-from .base import REDUCE_OPS, check_reduce_args
+from .base import REDUCE_OPS, _starts, check_reduce_args
 from .control import dtype_code as _dtype_code
-from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit
 from .messages import STALLED, UNUSABLE, timeout_message, where
 from .mpi_close import channel_for, next_serial
 from .mpi_half import HalfQueue, HalfSum
-from .mpi_shards import MpiShards
+from .mpi_shards import MpiShardHandle, MpiShards
 from .mpi_types import mpi_buffer, reduce_op
 from .mpi_where import WhereChannel
 from .staging import staged, staged_async
@@ -64,13 +51,11 @@ BUSY_POLL = 0.02
 _BACKOFF = Backoff(busy_s=BUSY_POLL, yield_s=BUSY_POLL, min_sleep_s=1e-5, max_sleep_s=2e-4)
 
 def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[Any, Callable[[], Any]]:
-    """How the control block is all-gathered: a persistent collective (MPI 4's ``Allgather_init``,
-    set up once, then only started: less than half the cost of an ``Iallgather`` per call), or, on an
-    MPI library without persistent collectives, an ``Iallgather`` per call.
+    """How the control block is all-gathered: a persistent collective (MPI 4's ``Allgather_init``: less than half the
+    cost of an ``Iallgather`` per call), or an ``Iallgather`` per call on an MPI library without them.
 
     Returns:
-        The persistent request (None without one) and a function that starts one exchange and
-        returns its request.
+        The persistent request (None without one) and a function that starts one exchange and returns its request.
     """
     spec = ([block, MPI.BYTE], [table, MPI.BYTE])
     try:
@@ -85,49 +70,16 @@ def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[
     return request, start
 
 
-class MpiHandle:
-    """An all-reduce in flight (see :meth:`MPICommunicator.all_reduce_async`)."""
-
-    def __init__(self, comm: "MPICommunicator", request: Any, array: np.ndarray, op: str) -> None:
-        self._comm, self._request, self._array, self._op = comm, request, array, op
-
-    def test(self) -> bool:
-        """Drive MPI progress; True once the reduction is complete."""
-        return self._request is None or bool(self._request.Test())
-
-    def wait(self) -> np.ndarray:
-        """Complete the reduction (bounded by the communicator's timeout); returns the array.
-
-        Raises:
-            CollectiveTimeoutError: the deadline passed.
-            CommunicatorClosedError: the communicator was closed meanwhile.
-        """
-        if self._request is not None:
-            self._comm._check_open("all_reduce_async wait")
-            timed_call(self._comm, "distopt.all_reduce_async.wait", self._comm._wait, self._request,
-                       f"all_reduce_async of {self._array.size} elements")
-            self._request = None
-            if self._op == "avg":
-                np.divide(self._array, self._comm.size, out=self._array)
-        return self._array
-
-
 class MPICommunicator(MpiShards, CommunicatorState):
     """Collectives over an MPI communicator (CPU NumPy arrays).
 
     Args:
-        comm: an ``mpi4py.MPI.Comm``; default ``MPI.COMM_WORLD``. It is
-            duplicated, so distopt's traffic never matches the caller's.
-        timeout: deadline of one collective in seconds; default
-            ``DISTOPT_TIMEOUT`` from the environment, else 300.
+        comm: an ``mpi4py.MPI.Comm`` (default ``MPI.COMM_WORLD``), duplicated to keep distopt's traffic apart.
+        timeout: deadline of one collective in seconds; default ``DISTOPT_TIMEOUT`` from the environment, else 300.
 
     Raises:
         ValueError: ``timeout`` (or ``DISTOPT_TIMEOUT``) is not a positive number.
-        TypeError: an array that is not a NumPy array (CuPy arrays need the
-            NCCL backend), or a dtype MPI cannot reduce.
-
-    A communicator that is never closed is closed at interpreter exit
-    (before MPI is finalized), after a bounded barrier.
+        TypeError: an array that is not a NumPy array (CuPy arrays need the NCCL backend), or a dtype MPI cannot reduce.
     """
 
     name = "mpi"
@@ -137,8 +89,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self._closing, self._close_id = channel_for(self._comm)  # close's rounds: never matched with a collective
         self._halves = HalfQueue(self._comm.Dup())  # the all-gathers of 16-bit sums, in start order
-        self.rank: int = self._comm.Get_rank()
-        self.size: int = self._comm.Get_size()
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._where = WhereChannel(self._comm)
         block, table = control.new_buffers(self.size)
         self._persistent, self._start_exchange = _control_exchange(self._comm, block, table)
@@ -148,12 +99,11 @@ class MPICommunicator(MpiShards, CommunicatorState):
 
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[MPICommunicator, RankInfo]:
-        """Join ``MPI.COMM_WORLD``; the ranks come from the launch (arguments, launcher variables) or,
-        where it tells nothing, from MPI itself (node grouping; collective).
+        """Join ``MPI.COMM_WORLD``; the ranks come from the launch (arguments, launcher variables) or, where it tells
+        nothing, from MPI itself (node grouping; collective).
 
         Raises:
-            ValueError: the launch's ranks disagree with MPI's (the message
-                names the launcher's variables and the fix).
+            ValueError: the launch's ranks disagree with MPI's (the message names the launcher's variables and the fix).
         """
         comm = cls(timeout=launch.timeout)
         info = launch.rank_info(mpi_comm=comm.raw)
@@ -176,7 +126,6 @@ class MPICommunicator(MpiShards, CommunicatorState):
         """The underlying (duplicated) ``mpi4py.MPI.Comm``."""
         return self._comm
 
-    # ------------------------------------------------------------------ helpers
     def _wait(self, request: Any, what: str) -> None:
         if not self._halves.waiting and request.Test():  # the common case of a small call, cheaply
             return
@@ -187,11 +136,9 @@ class MPICommunicator(MpiShards, CommunicatorState):
             return CollectiveTimeoutError(timeout_message(where("mpi", what, self.rank), self.timeout,
                                                           f"{STALLED}; {UNUSABLE}", self._where.missing(self._ctl.seq)))
 
-        halves = self._halves
-
         def done() -> bool:  # every wait also starts the 16-bit sums' all-gathers that are due, in order
-            if halves.waiting:
-                halves.drive()
+            if self._halves.waiting:
+                self._halves.drive()
             return request.Test()
 
         wait_until(done, time.monotonic() + self.timeout, expired, backoff=_BACKOFF)
@@ -201,14 +148,13 @@ class MPICommunicator(MpiShards, CommunicatorState):
         self._where.post(self._ctl.seq, self._ctl.kind)
         self._wait(self._start_exchange(), what)
 
-    # --------------------------------------------------------------- protocol
     @staged
     @collective
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``array`` in place across ranks; see :class:`Communicator`.
 
-        Wire: ``array.nbytes`` per rank per direction of the MPI algorithm;
-        float16/bfloat16 travel as 2-byte words (:class:`~distopt.comm.mpi_half.HalfSum`).
+        Wire: ``array.nbytes`` per rank per direction of the MPI algorithm; float16/bfloat16 travel as 2-byte words
+        (:class:`~distopt.comm.mpi_half.HalfSum`).
         """
         check_reduce_args(array, op)
         buf, mpi_type = mpi_buffer(array)
@@ -226,24 +172,27 @@ class MPICommunicator(MpiShards, CommunicatorState):
 
     @staged_async
     @collective
-    def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> "MpiHandle":
+    def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> MpiShardHandle:
         """Start an in-place all-reduce (``Iallreduce``) and return at once.
 
-        Unlike :meth:`all_reduce` there is no per-call agreement check (it
-        would block); DistOpt checks its bucket layout across ranks before
-        the first step instead. Every rank must start the same reductions in
-        the same order. MPI may progress the reduction only inside MPI calls:
-        call ``handle.test()`` now and then, or set ``MPIR_CVAR_ASYNC_PROGRESS=1``
-        (MPICH) for a progress thread.
+        Unlike :meth:`all_reduce` there is no per-call agreement check (it would block); DistOpt checks its bucket
+        layout across ranks before the first step instead. Every rank must start the same reductions in the same order.
+        MPI may progress the reduction only inside MPI calls: call ``handle.test()`` now and then, or set
+        ``MPIR_CVAR_ASYNC_PROGRESS=1`` (MPICH) for a progress thread.
 
         Returns:
-            A handle; ``wait()`` completes the reduction (bounded by the
-            timeout) and divides by the world size for ``op="avg"``.
+            A handle; ``wait()`` completes the reduction (bounded) and divides by the world size for ``op="avg"``.
         """
         check_reduce_args(array, op)
         buf, mpi_type = mpi_buffer(array)
         request = self._start(array, buf, mpi_type, op) if array.size and self.size > 1 else None
-        return MpiHandle(self, request, array, op)
+
+        def finish() -> np.ndarray:
+            if op == "avg" and request is not None:
+                np.divide(array, self.size, out=array)
+            return array
+
+        return MpiShardHandle(self, request, finish, f"all_reduce_async of {array.size} elements")
 
     def _start(self, array: np.ndarray, buf: np.ndarray, mpi_type: Any, op: str) -> Any:
         """Start the in-place reduction of ``array``; a request (``Test()``)."""
@@ -302,8 +251,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
                     for r, c in enumerate(counts)]
         out = np.empty(int(counts.sum()), dtype=array.dtype)
         if out.size:
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            recv = [mpi_buffer(out)[0], (counts.tolist(), displs.tolist()), mpi_type]
+            recv = [mpi_buffer(out)[0], (counts.tolist(), _starts(counts.tolist())), mpi_type]
             self._wait(self._comm.Iallgatherv([buf, mpi_type], recv), what)
         return np.split(out, np.cumsum(counts)[:-1].tolist())
 
@@ -316,8 +264,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
     def split(self, ranks: Sequence[int]) -> MPICommunicator | None:
         """A communicator of ``ranks`` (ascending, renumbered from 0) by ``Comm_split``; None outside them.
 
-        Collective: every rank calls it with the same ranks (use
-        :func:`distopt.comm.groups.split`, which checks that first).
+        Collective: every rank calls it with the same ranks (:func:`distopt.comm.groups.split` checks that first).
         """
         member = self.rank in ranks
         self.barrier()  # bounded: Comm_split itself cannot time out
@@ -332,19 +279,11 @@ class MPICommunicator(MpiShards, CommunicatorState):
     def close(self) -> None:
         """Free the side-channel window and the duplicated communicators; idempotent, bounded, raises nothing.
 
-        Freeing a window (``MPI_Win_free``) is collective: a rank that enters it alone waits forever.
-        So a close runs one round on the close channel its group's communicators share
-        (:class:`~distopt.comm.mpi_close.CloseChannel`): every rank offers the communicators it has
-        closed and not yet freed, and when every rank saw every offer in time, each frees the ones
-        every rank offered, in creation order. Closes are matched by which communicator they close,
-        not by their order: two communicators closed in opposite orders on two ranks are both freed
-        by the second close on each, without waiting. A communicator whose collectives failed on
-        this rank is never offered (nothing is freed after a failed collective). Each wait of a
-        round takes at most ``timeout`` seconds, so a close returns within ``2 * timeout`` seconds
-        (one ``timeout`` when a peer never comes). What no round freed is freed at interpreter exit,
-        after every communicator's close, right before MPI_Finalize (which waits for every rank
-        anyway). A communicator never closed is closed this way at exit, before MPI is finalized
-        (no ``UCX WARN ... mpool`` lines). Every later call raises
+        A close runs one round on the close channel its group's communicators share (:mod:`~distopt.comm.mpi_close`:
+        freeing a window is collective, and a rank that enters it alone waits forever); a communicator whose collectives
+        failed on this rank is never offered. Each wait of a round takes at most ``timeout`` seconds, so a close returns
+        within ``2 * timeout`` seconds (one ``timeout`` when a peer never comes). What no round freed is freed at
+        interpreter exit, right before MPI_Finalize (no ``UCX WARN ... mpool`` lines). Every later call raises
         :class:`~distopt.errors.CommunicatorClosedError`.
         """
         if self.closed:

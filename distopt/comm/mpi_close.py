@@ -1,33 +1,25 @@
 """How MPI communicators close without a rank ever waiting alone in a collective free.
 
-``MPI_Win_free`` is collective: a rank that enters it while a peer never will (the peer gave up
-waiting, or is inside the close of another communicator) waits forever. So every communicator
-over the same group of ranks (the same ranks of ``MPI_COMM_WORLD``, in the same order) shares one
-:class:`CloseChannel`, a close-only communicator, and each ``close()`` runs one *round* on it:
+``MPI_Win_free`` is collective: a rank that enters it while a peer never will waits forever. So every communicator over
+the same ranks of ``MPI_COMM_WORLD`` (in the same order) shares one :class:`CloseChannel`, a close-only communicator,
+and each ``close()`` runs one *round* on it:
 
-1. *offer*: an all-gather of the identities (creation numbers within the group, the same on every
-   member) of the communicators this rank has closed and not yet freed;
+1. *offer*: an all-gather of the identities (creation numbers within the group) of the communicators this rank has
+   closed and not yet freed;
 2. *confirm*: a MIN all-reduce of 1 from a rank that saw every offer in time, else 0.
 
-When every rank confirmed, every rank frees, in creation order, the communicators that every
-rank offered; the rest stay offered for the next round. Identities, not the order of the calls,
-match a close on one rank with the close of the same communicator on another: two DistOpts closed
-A, B on one rank and B, A on another free nothing in the first round (each rank learns at once
-that its peer closes another communicator) and both in the second, promptly. A round whose offer
-did not arrive in time on some rank (a peer closes much later, is gone, or is not closing at all)
-frees nothing: that rank confirms 0, and every rank that waits for the confirmation learns it.
-
-Each wait of a round is bounded by ``timeout`` seconds; a rank confirms 1 only when the offers
-arrived at least ``margin`` seconds (a tenth of ``timeout``, at most 0.5) before its own
-deadline, so a peer waiting for the confirmation (its deadline set after it saw the offers, hence
-at least as late) sees it in time: no rank frees while another gives up. A communicator a round
-left unfreed, or whose collectives failed (it is never offered), is freed at interpreter exit
-(:func:`free_at_exit`), after every communicator's close and right before ``MPI_Finalize``
-(MPICH's waits for every rank anyway), in creation order on every rank.
+When every rank confirmed, every rank frees, in creation order, the communicators that every rank offered; the rest stay
+offered for the next round. Identities, not the order of the calls, match closes across ranks (A, B on one rank and B, A
+on another are both freed by the second round). Each wait of a round is bounded by ``timeout`` seconds; a rank confirms
+1 only when the offers arrived at least ``margin`` seconds (a tenth of ``timeout``, at most 0.5) before its own
+deadline, so a peer waiting for the confirmation (its deadline set later) sees it in time: no rank frees while another
+gives up. What no round freed (a communicator whose collectives failed is never offered) is freed at interpreter exit,
+right before ``MPI_Finalize``, in creation order (:func:`free_at_exit`).
 """
 from __future__ import annotations
 
 import itertools
+from collections import namedtuple
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,11 +54,8 @@ def _completed(request: Any, deadline: float) -> bool:
     return True
 
 
-class _Closed:
-    """A closed communicator waiting for its collective free: its exit order, side channel and release."""
-
-    def __init__(self, serial: int, where: Any, release: Callable[[], None]) -> None:
-        self.serial, self.where, self.release = serial, where, release
+# a closed communicator waiting for its collective free: its exit order, side channel and release
+_Closed = namedtuple("_Closed", "serial where release")
 
 
 class CloseChannel:
@@ -92,8 +81,8 @@ class CloseChannel:
         """Close communicator ``ident`` (``serial``: its exit order; ``where``: its side channel) and run one round.
 
         Args:
-            release: frees the communicator (collective); None when its collectives failed: it is
-                then never offered, and its window is freed at exit.
+            release: frees the communicator (collective); None when its collectives failed (never offered: its window is
+                freed at exit).
             timeout: SECONDS each wait of the round may take.
 
         Returns:
@@ -132,8 +121,7 @@ class CloseChannel:
 
 
 def channel_for(comm: Any) -> tuple[CloseChannel, int]:
-    """The close channel of ``comm``'s group (made on the group's first communicator: collective), and
-    ``comm``'s identity in it."""
+    """The close channel of ``comm``'s group (made by its first communicator: collective), and ``comm``'s identity."""
     group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
     try:
         key = tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
@@ -154,9 +142,8 @@ def next_serial() -> int:
 def free_at_exit(serial: int, where: Any) -> None:
     """Free ``where``'s window (:class:`~distopt.comm.mpi_where.WhereChannel`) at interpreter exit.
 
-    Every member hands over the same windows (no rank frees one in a close unless every rank
-    does), and they are freed in creation order, so no rank is ever alone in ``MPI_Win_free``; it
-    waits for the last member to reach exit, as ``MPI_Finalize`` would.
+    Every member hands over the same windows (no rank frees one in a close unless every rank does), freed in creation
+    order, so no rank is ever alone in ``MPI_Win_free``; it waits for the last member to reach exit.
     """
     _unfreed.append((serial, where))
     last_at_exit(_free_all)

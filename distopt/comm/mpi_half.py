@@ -1,34 +1,28 @@
 """float16 and bfloat16 reductions on MPI, which has no datatype for them.
 
-The words travel as ``MPI.UINT16_T`` (2 bytes per element). A sum (or
-average) is done as a reduce-scatter and an all-gather, the algorithm MPI
-libraries use for large all-reduces (Rabenseifner; Thakur, Rabenseifner &
-Gropp 2005), with the reduction done by distopt between the two: an
-``Ialltoallv`` hands rank r every rank's copy of chunk r, rank r adds them
-in float32 and rounds once (:func:`distopt.core._fastcast.sum_rows`, PyTorch's
-kernels where installed), and an in-place
-``Iallgatherv`` spreads the reduced chunks. Every rank ends with the same
-bits; the wire carries the same bytes as a ring all-reduce of 16-bit words.
-Max and min use a user-defined MPI operation instead (rare for gradients).
+The words travel as ``MPI.UINT16_T`` (2 bytes per element). A sum (or average) is done as a reduce-scatter and an
+all-gather, the algorithm MPI libraries use for large all-reduces (Rabenseifner; Thakur, Rabenseifner & Gropp 2005),
+with the reduction done by distopt between the two: an ``Ialltoallv`` hands rank r every rank's copy of chunk r, rank r
+adds them in float32 and rounds once (:func:`distopt.core._fastcast.sum_rows`), and an in-place ``Iallgatherv`` spreads
+the reduced chunks. Every rank ends with the same bits; the wire carries the same bytes as a ring all-reduce of 16-bit
+words. Max and min use a user-defined MPI operation instead.
 
-MPI requires every rank to start the collectives of one communicator in the
-same order, and the all-gather of a sum can only start once its
-reduce-scatter has completed, at a moment that differs per rank. So the
-all-gathers run on a communicator of their own, started strictly in the
-order the sums were started (:class:`HalfQueue`), and the backend drives
-that queue from every one of its waits, so no rank blocked elsewhere holds
-up a peer's all-gather.
+MPI requires every rank to start the collectives of one communicator in the same order, and the all-gather of a sum can
+only start once its reduce-scatter has completed, at a moment that differs per rank. So the all-gathers run on a
+communicator of their own, started strictly in the order the sums were started (:class:`HalfQueue`), and the backend
+drives that queue from every one of its waits, so no rank blocked elsewhere holds up a peer's all-gather.
 """
 from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from ..core._fastcast import cast_into, sum_rows
+from .base import _starts, split_counts
 
 __all__ = ["half_dtypes", "half_op", "HalfSum", "HalfQueue"]
 
@@ -43,27 +37,24 @@ def half_dtypes() -> tuple[np.dtype, ...]:
     return (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def _make_op(dtype: np.dtype, ufunc: Callable) -> Any:
-    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
-        a = np.frombuffer(inbuf, dtype=dtype)
-        b = np.frombuffer(inoutbuf, dtype=dtype)
-        wide = cast_into(b, np.empty(b.shape, np.float32))
-        ufunc(wide, cast_into(a, np.empty(a.shape, np.float32)), out=wide)
-        cast_into(wide, b)
-
-    return MPI.Op.Create(combine, commute=True)
-
-
 _OPS: dict[tuple[np.dtype, str], Any] = {}
 
 
 def half_op(dtype: np.dtype, op: str) -> Any:
-    """The user-defined MPI op for ``"max"`` or ``"min"`` of a 16-bit float dtype (sums are
-    :class:`HalfSum`), created once per process (MPI limits their number)."""
+    """The user-defined MPI op for ``"max"`` or ``"min"`` of a 16-bit float dtype (sums are :class:`HalfSum`), created
+    once per process (MPI limits their number)."""
     key = (dtype, op)
     if key not in _OPS:
         ufunc = {"max": np.maximum, "min": np.minimum}[op]
-        _OPS[key] = _make_op(dtype, ufunc)
+
+        def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
+            a = np.frombuffer(inbuf, dtype=dtype)
+            b = np.frombuffer(inoutbuf, dtype=dtype)
+            wide = cast_into(b, np.empty(b.shape, np.float32))
+            ufunc(wide, cast_into(a, np.empty(a.shape, np.float32)), out=wide)
+            cast_into(wide, b)
+
+        _OPS[key] = MPI.Op.Create(combine, commute=True)
     return _OPS[key]
 
 
@@ -87,21 +78,18 @@ class HalfQueue:
 class HalfSum:
     """An in-place sum of a 16-bit float array across ``comm``, in flight (see the module docs).
 
-    Duck-types an MPI request: :meth:`Test` drives it (and the sums started
-    before it) and is True once ``array`` holds the sum.
+    Duck-types an MPI request: :meth:`Test` drives it (and the sums before it), True once ``array`` holds the sum.
 
     Args:
-        comm: the ``mpi4py.MPI.Comm`` of the reduce-scatter (every rank
-            starts the same sums in the same order).
+        comm: the ``mpi4py.MPI.Comm`` of the reduce-scatter (every rank starts the same sums in the same order).
         array: C-contiguous float16 or bfloat16 NumPy array, any shape.
         queue: the backend's :class:`HalfQueue`; this sum joins its end.
     """
 
     def __init__(self, comm: Any, array: np.ndarray, queue: HalfQueue) -> None:
         size, rank = comm.Get_size(), comm.Get_rank()
-        base, extra = divmod(array.size, size)
-        self._counts = [base + (r < extra) for r in range(size)]
-        self._displs = [base * r + min(r, extra) for r in range(size)]
+        self._counts = split_counts(array.size, size)
+        self._displs = _starts(self._counts)
         mine = self._counts[rank]
         self._comm, self._dtype = comm, array.dtype
         self._words = array.reshape(-1).view(np.uint16)

@@ -1,23 +1,16 @@
 """The MPI backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
 
-:class:`MpiShards` is a mixin of :class:`~distopt.comm.mpi.MPICommunicator`
-(it uses the communicator's control block and bounded waits; buffers and
-datatypes come from :mod:`~distopt.comm.mpi_types`).
-``reduce_scatter`` is ``Ireduce_scatter`` with the per-rank counts into a new
-array (``array`` is left unchanged), ``all_gather_into`` an in-place
-``Iallgatherv`` (``MPI.IN_PLACE``), ``all_to_all`` an ``Ialltoall`` into a new
-array. The blocking forms first agree on the call through the control block,
-its inline data carrying a CRC-32 of ``counts`` (:func:`~distopt.comm.base.counts_digest`),
-so ranks with different counts, dtypes or ops raise
-:class:`~distopt.errors.CollectiveMismatchError` on every rank; the
-``_async`` forms do not (as ``all_reduce_async``).
+:class:`MpiShards` is a mixin of :class:`~distopt.comm.mpi.MPICommunicator` (it uses the communicator's control block
+and bounded waits; buffers and datatypes come from :mod:`~distopt.comm.mpi_types`). ``reduce_scatter`` is
+``Ireduce_scatter`` with the per-rank counts into a new array (``array`` is left unchanged), ``all_gather_into`` an
+in-place ``Iallgatherv`` (``MPI.IN_PLACE``), ``all_to_all`` an ``Ialltoall`` into a new array. The blocking forms first
+agree on the call through the control block, its inline data carrying a CRC-32 of ``counts``
+(:func:`~distopt.comm.base.counts_digest`), so ranks with different counts, dtypes or ops raise
+:class:`~distopt.errors.CollectiveMismatchError` on every rank; the ``_async`` forms do not (as ``all_reduce_async``).
 
-float16 and bfloat16 sums (and averages) have no MPI operation: rank r
-receives every rank's copy of its segment as 16-bit words (``Ialltoallv``,
-2 bytes per element), adds them in float32 in rank order and rounds once
-(:func:`distopt.core._fastcast.sum_rows`), as the all-reduce of 16-bit
-floats does (:mod:`~distopt.comm.mpi_half`); max and min use its user-defined
-operations in ``Ireduce_scatter``.
+float16 and bfloat16 sums (and averages) go as in :mod:`~distopt.comm.mpi_half`: rank r receives every rank's copy of
+its segment as 16-bit words (``Ialltoallv``) and adds them in float32 in rank order, rounded once; max and min use its
+user-defined operations in ``Ireduce_scatter``.
 """
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ from mpi4py import MPI
 
 from ..core._array import is_cupy
 from ..core._fastcast import sum_rows
-from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
+from .base import REDUCE_OPS, _starts, check_counts, check_reduce_args, check_rows
 from .control import dtype_code
 from .lifecycle import Completed, collective, timed_call
 from .mpi_types import mpi_buffer, reduce_op
@@ -41,13 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["MpiShards", "MpiShardHandle"]
 
 
-def _displs(counts: Sequence[int]) -> list[int]:
-    """Element offsets of each rank's segment."""
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-
-
 class MpiShardHandle:
-    """A reduce-scatter or in-place all-gather in flight (see :meth:`MpiShards.reduce_scatter_async`).
+    """A collective in flight (see :meth:`MpiShards.reduce_scatter_async`).
 
     Args:
         comm: the communicator.
@@ -66,8 +54,7 @@ class MpiShardHandle:
         return self._request is None or bool(self._request.Test())
 
     def wait(self) -> Any:
-        """Complete the collective (bounded by the communicator's timeout); returns its result, the
-        same on every call.
+        """Complete the collective (bounded by the communicator's timeout); returns its result, the same on every call.
 
         Raises:
             CollectiveTimeoutError: the deadline passed (naming the ranks that did not arrive).
@@ -94,8 +81,8 @@ class MpiShards:
 
     def _start_reduce_scatter(self, array: np.ndarray, counts: list[int], op: str
                               ) -> tuple[Any, Callable[[], np.ndarray]]:
-        """Start the reduce-scatter; returns its request (None: nothing moves) and the function that
-        finishes it and returns this rank's segment."""
+        """Start the reduce-scatter: its request (None: nothing moves) and the function returning this rank's
+        segment."""
         buf, mpi_type = mpi_buffer(array)
         mine = counts[self.rank]
         out = np.empty(mine, dtype=array.dtype)
@@ -105,7 +92,7 @@ class MpiShards:
             out[...] = array
         elif array.size and half and op in ("sum", "avg"):
             recv = np.empty((self.size, mine), dtype=np.uint16)  # every rank's copy of my segment
-            request = self._comm.Ialltoallv([buf, (counts, _displs(counts)), MPI.UINT16_T],
+            request = self._comm.Ialltoallv([buf, (counts, _starts(counts)), MPI.UINT16_T],
                                             [recv, ([mine] * self.size, [mine * r for r in range(self.size)]),
                                              MPI.UINT16_T])
         elif array.size:
@@ -126,7 +113,7 @@ class MpiShards:
         buf, mpi_type = mpi_buffer(array)
         if not array.size or self.size == 1:
             return None
-        return self._comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _displs(counts)), mpi_type])
+        return self._comm.Iallgatherv(MPI.IN_PLACE, [buf, (counts, _starts(counts)), mpi_type])
 
     @staged
     @collective
@@ -134,17 +121,13 @@ class MpiShards:
                        ) -> np.ndarray:
         """Reduce-scatter; see :meth:`distopt.comm.base.Communicator.reduce_scatter`.
 
-        Returns a new array of ``counts[rank]`` elements; ``array`` is left
-        unchanged (CuPy arrays are staged through host copies). Wire: MPI's
-        reduce-scatter of ``array.nbytes`` per rank; float16/bfloat16 sums
-        travel as 2-byte words, reduced in float32 and rounded once.
+        Returns a new array of ``counts[rank]`` elements; ``array`` is left unchanged (CuPy arrays: staged through
+        host).
 
         Raises:
             ValueError: bad ``counts`` or a non-1-D ``array``.
-            TypeError: not a NumPy (or CuPy) array, non-contiguous, or an
-                unsupported dtype or op.
-            CollectiveMismatchError: ranks passed different counts, element
-                counts, dtypes or ops (raised on every rank).
+            TypeError: not a NumPy (or CuPy) array, non-contiguous, or an unsupported dtype or op.
+            CollectiveMismatchError: ranks passed different counts, element counts, dtypes or ops (on every rank).
             CollectiveTimeoutError: the deadline passed.
         """
         check_reduce_args(array, op)
@@ -159,15 +142,12 @@ class MpiShards:
 
     @collective
     def reduce_scatter_async(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
-        """Start a reduce-scatter (``Ireduce_scatter``) and return at once.
-
-        No per-call agreement check (as :meth:`all_reduce_async`): every
-        rank must start the same calls in the same order. A CuPy array is
-        reduced at once through host copies (a completed handle).
+        """Start a reduce-scatter (``Ireduce_scatter``) and return at once; no per-call agreement check (as
+        :meth:`all_reduce_async`). A CuPy array is reduced at once through host copies (a completed handle).
 
         Returns:
-            A handle: ``test()``, and ``wait()`` (bounded by the timeout,
-            callable twice) returning what :meth:`reduce_scatter` returns.
+            A handle: ``test()``, and ``wait()`` (bounded, callable twice) returning what :meth:`reduce_scatter`
+            returns.
 
         Raises:
             ValueError, TypeError: as :meth:`reduce_scatter`, before anything moves.
@@ -201,8 +181,8 @@ class MpiShards:
 
     @collective
     def all_gather_into_async(self, array: Any, counts: Sequence[int] | None = None) -> Any:
-        """Start an in-place all-gather (``Iallgatherv``) and return at once; no agreement check, CuPy
-        arrays gathered at once (as :meth:`reduce_scatter_async`).
+        """Start an in-place all-gather (``Iallgatherv``) and return at once; no agreement check, CuPy arrays gathered
+        at once (as :meth:`reduce_scatter_async`).
 
         Returns:
             A handle whose ``wait()`` returns ``array``.

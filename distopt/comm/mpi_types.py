@@ -1,12 +1,9 @@
 """How the MPI backend hands a NumPy array to MPI: its buffer and datatype, and the reduction to use.
 
-Every NumPy dtype with an MPI datatype travels as itself (``MPI.FLOAT``,
-``MPI.INT64_T``, ``MPI.C_BOOL``, ...). float16 and bfloat16 have none: they
-travel as 16-bit words (``MPI.UINT16_T``, 2 bytes per element) and are
-reduced by :mod:`~distopt.comm.mpi_half` (its user-defined operations for
-max and min; sums go another way). Booleans reduce with logical OR
-(``"sum"``, ``"max"``) and AND (``"min"``); ``"avg"`` is an MPI sum that the
-backend then divides by the world size.
+Every NumPy dtype with an MPI datatype travels as itself (``MPI.FLOAT``, ``MPI.INT64_T``, ``MPI.C_BOOL``, ...). float16
+and bfloat16 have none: they travel as 16-bit words (``MPI.UINT16_T``, 2 bytes per element) and are reduced by
+:mod:`~distopt.comm.mpi_half` (its user-defined operations for max and min; sums go another way). Booleans reduce with
+logical OR (``"sum"``, ``"max"``) and AND (``"min"``); ``"avg"`` is an MPI sum the backend then divides.
 """
 from __future__ import annotations
 
@@ -40,14 +37,11 @@ def mpi_buffer(array: Any) -> tuple[np.ndarray, Any]:
     """The buffer MPI reads and writes for ``array`` (itself, or its 16-bit words) and its MPI datatype.
 
     Raises:
-        TypeError: not a NumPy array (CuPy arrays need the NCCL backend), not C-contiguous, or a
-            dtype MPI cannot move.
+        TypeError: not a NumPy array (CuPy arrays need the NCCL backend), not C-contiguous, or a dtype MPI cannot move.
     """
     if not isinstance(array, np.ndarray):
-        raise TypeError(
-            f"the MPI backend takes NumPy arrays, got {type(array).__name__}; "
-            "use backend='nccl' for CuPy arrays"
-        )
+        raise TypeError(f"the MPI backend takes NumPy arrays, got {type(array).__name__}; use backend='nccl' for CuPy "
+                        "arrays")
     if not array.flags.c_contiguous:
         raise TypeError("array must be C-contiguous")
     dt = array.dtype
@@ -59,8 +53,8 @@ def mpi_buffer(array: Any) -> tuple[np.ndarray, Any]:
 
 
 def reduce_op(dtype: np.dtype, mpi_type: Any, op: str) -> Any:
-    """The MPI operation for ``op`` on ``dtype`` moved as ``mpi_type`` (logical for bool, user-defined
-    for 16-bit floats)."""
+    """The MPI operation for ``op`` on ``dtype`` moved as ``mpi_type`` (logical for bool, user-defined for 16-bit
+    floats)."""
     if dtype == np.bool_:
         return _BOOL_OPS[op]
     if mpi_type is MPI.UINT16_T and dtype != np.uint16:

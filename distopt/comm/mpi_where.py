@@ -1,10 +1,8 @@
 """Who is where: the MPI backend's side channel that names the ranks a stalled collective waits for.
 
-Every rank exposes ``(collective sequence number, kind code)`` (two int64) in
-a small RMA window, updated before each control-block exchange. When a
-collective misses its deadline, the rank reads every peer's pair with a
-passive one-sided ``Rget`` (itself bounded) and names those that have not
-reached the collective, and where each one is.
+Every rank exposes ``(collective sequence number, kind code)`` (two int64) in a small RMA window, updated before each
+control-block exchange. When a collective misses its deadline, the rank reads every peer's pair with a passive one-sided
+``Rget`` (itself bounded) and names those that have not reached the collective, and where each one is.
 """
 from __future__ import annotations
 
@@ -42,8 +40,8 @@ class WhereChannel:
         self._win.Sync()
 
     def missing(self, seq: int, per_rank_s: float = 1.0) -> str:
-        """Which peers have not reached collective ``seq``, and where they are (``per_rank_s`` seconds
-        at most per peer), for a timeout message."""
+        """Which peers have not reached collective ``seq`` and where they are (at most ``per_rank_s`` seconds a
+        peer)."""
         behind = []
         for r in range(self.size):
             if r == self.rank:

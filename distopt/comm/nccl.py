@@ -1,33 +1,20 @@
 """NCCL backend through CuPy (``cupy.cuda.nccl``), for CuPy arrays on GPUs.
 
-Stream order: every collective runs on the communicator's own CUDA stream,
-which first waits (``cudaStreamWaitEvent``) for an event recorded on the
-caller's current stream, so the kernels that filled the buffer finish
-before NCCL reads it (ChainerMN PR 201); the caller's current stream then
-waits for the collective, so later kernels see the result. The two events
-are made once, without timing. No host synchronisation happens except where
-a count must reach the host (``all_gather_v``).
+Stream order: every collective runs on the communicator's own CUDA stream, which first waits (``cudaStreamWaitEvent``)
+for an event recorded on the caller's current stream, so the kernels that filled the buffer finish before NCCL reads it
+(ChainerMN PR 201); the caller's current stream then waits for the collective, so later kernels see the result. The host
+synchronises only where a count must reach it (``all_gather_v``).
 
-Set-up: the NCCL unique id is made by rank 0 for each communicator and
-broadcast over the host control plane (MPI or shared memory), since an id
-serves one ``ncclCommInitRank`` round only; a barrier on the control plane
-right before the init turns a missing rank into a bounded
-:class:`~distopt.errors.CollectiveTimeoutError` instead of an init that
-blocks for good.
+Set-up: rank 0 makes the NCCL unique id of each communicator (an id serves one ``ncclCommInitRank`` round only) and
+broadcasts it over the host control plane (MPI or shared memory), whose barrier right before the init turns a missing
+rank into a bounded :class:`~distopt.errors.CollectiveTimeoutError` instead of an init that blocks for good. NCCL
+refuses two ranks on one GPU ("Duplicate GPU detected").
 
-Each call runs with the communicator's device current (``with device:``),
-so a call from another host thread allocates its temporaries on the right
-GPU. After an abort (an NCCL error or a host wait past its deadline) every
-call raises :class:`~distopt.errors.DistOptError` naming the cause.
-
-The sharded collectives (reduce-scatter, in-place all-gather, all-to-all,
-with ``_async`` forms) are in :mod:`~distopt.comm.nccl_shards`, the dtype and
-reduction names in :mod:`~distopt.comm.nccl_types`.
-
-Unlike the MPI backend, calls are not pre-checked for matching counts and
-dtypes across ranks (that would cost a host round trip per call); DistOpt
-checks its bucket layout across ranks once per layout instead. NCCL refuses
-two ranks on one GPU ("Duplicate GPU detected").
+Each call runs with the communicator's device current, so a call from another host thread allocates its temporaries on
+the right GPU. After an abort (an NCCL error or a host wait past its deadline) every call raises
+:class:`~distopt.errors.DistOptError`. Calls are not checked for matching counts and dtypes across ranks (a host round
+trip per call); DistOpt checks its bucket layout across ranks once per layout instead. The sharded collectives are in
+:mod:`~distopt.comm.nccl_shards`, the dtype and reduction names in :mod:`~distopt.comm.nccl_types`.
 """
 from __future__ import annotations
 
@@ -55,15 +42,14 @@ __all__ = ["NcclCommunicator", "unique_id_from", "new_unique_id", "on_device"]
 
 
 def new_unique_id() -> tuple[int, ...]:
-    """A fresh NCCL unique id as 128 ints (``bytes`` in CuPy 14 give 0..255, C ``char`` in CuPy 13 gives
-    -128..127 on x86-64 and 0..255 on aarch64). It starts NCCL's bootstrap root in this process and serves
-    ONE communicator."""
+    """A fresh NCCL unique id as 128 ints (``bytes`` in CuPy 14 give 0..255, C ``char`` in CuPy 13 gives -128..127 on
+    x86-64 and 0..255 on aarch64). It starts NCCL's bootstrap root in this process and serves ONE communicator."""
     return tuple(int(v) for v in nccl.get_unique_id())
 
 
 def _open(size: int, unique_id: Any, rank: int) -> Any:
-    """``ncclCommInitRank`` through CuPy, whose id type changed: ``bytes`` (CuPy 14), or a tuple of C
-    ``char`` (CuPy 13: signed on x86-64, unsigned on aarch64, where a negative value is OverflowError)."""
+    """``ncclCommInitRank`` through CuPy, whose id type changed: ``bytes`` (CuPy 14), or a tuple of C ``char`` (CuPy 13:
+    signed on x86-64, unsigned on aarch64, where a negative value is OverflowError)."""
     ints = [int(v) for v in unique_id]
     forms = (bytes(v % 256 for v in ints), tuple(v - 256 if v > 127 else v for v in ints),
              tuple(v % 256 for v in ints))
@@ -76,8 +62,8 @@ def _open(size: int, unique_id: Any, rank: int) -> Any:
 
 
 def unique_id_from(control: Any) -> tuple[int, ...]:
-    """Rank 0 of ``control`` (a host communicator: MPI, shared memory) makes a fresh NCCL unique id and
-    broadcasts it (an int64 buffer of 128 elements); every rank returns it."""
+    """Rank 0 of ``control`` (a host communicator: MPI, shared memory) makes a fresh NCCL unique id and broadcasts it
+    (an int64 buffer of 128 elements); every rank returns it."""
     buf = np.zeros(128, dtype=np.int64)
     if control.rank == 0:
         buf[:] = new_unique_id()
@@ -91,29 +77,19 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     Args:
         rank: this process's rank, ``0 <= rank < size``.
         size: world size.
-        unique_id: an NCCL unique id (see :func:`new_unique_id`) that no other
-            communicator used, or None to have rank 0 of ``control`` make one
-            and broadcast it (:func:`unique_id_from`).
-        device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``); made
-            the current device of the constructing thread, and current in every call.
-        control: a host communicator of the same ranks (MPI or shared
-            memory) for collectives on NumPy arrays (DistOpt's step header
-            and flags): they then never wait on the device, so a
-            steady-state plain or half step synchronises the host zero
-            times (``host_syncs`` stays put). Without it they are staged
-            through the device, one host wait each. Closed with this one,
-            also when the set-up fails.
-        timeout: deadline in seconds of every host-side wait (default
-            ``$DISTOPT_TIMEOUT`` or 300). Device-side, collectives are only
-            enqueued; wherever the host waits for one (host arrays, counts,
-            ``barrier``, ``close``) it polls a CUDA event and NCCL's
-            asynchronous error, and on an error or the deadline it aborts the
-            NCCL communicator (``ncclCommAbort``) so that no kernel stays
-            blocked, then raises.
+        unique_id: an NCCL unique id (see :func:`new_unique_id`) that no other communicator used, or None to have rank 0
+            of ``control`` make one and broadcast it (:func:`unique_id_from`).
+        device: CUDA device index (relative to ``CUDA_VISIBLE_DEVICES``), current in the constructing thread and every
+            call.
+        control: a host communicator of the same ranks (MPI or shared memory) for collectives on NumPy arrays (DistOpt's
+            step header and flags), which then never wait on the device (``host_syncs`` stays put); without it they are
+            staged through the device, one host wait each. Closed with this one, also when the set-up fails.
+        timeout: deadline in seconds of every host-side wait (default ``$DISTOPT_TIMEOUT`` or 300): where the host waits
+            for a collective (host arrays, counts, ``barrier``, ``close``) it polls a CUDA event and NCCL's asynchronous
+            error, and on an error or the deadline aborts the communicator (``ncclCommAbort``: no kernel stays blocked).
 
     Raises:
-        ValueError: no ``unique_id`` and no ``control``; a control
-            communicator of other ranks.
+        ValueError: no ``unique_id`` and no ``control``; a control communicator of other ranks.
         CollectiveTimeoutError: a rank did not reach the set-up (control plane's deadline).
         cupy.cuda.nccl.NcclError: NCCL refused the set-up (for example two ranks on one GPU).
     """
@@ -122,11 +98,8 @@ class NcclCommunicator(NcclShards, CommunicatorState):
 
     def __init__(self, rank: int, size: int, unique_id: Any = None, device: int = 0,
                  timeout: float | None = None, control: Any = None) -> None:
-        self.rank = int(rank)
-        self.size = int(size)
-        self.control = control
-        self._comm: Any = None
-        self._broken = ""
+        self.rank, self.size = int(rank), int(size)
+        self.control, self._comm, self._broken = control, None, ""
         try:
             if unique_id is None and control is None:
                 raise ValueError("the NCCL backend needs unique_id or a control communicator to agree on one")
@@ -144,8 +117,7 @@ class NcclCommunicator(NcclShards, CommunicatorState):
                     control.barrier()  # every rank is here: the init below cannot wait for a dead one
                 self._comm = _open(self.size, unique_id, self.rank)
                 self._stream = cupy.cuda.Stream(non_blocking=True)
-                self._ready, self._finished, self._host_event = (cupy.cuda.Event(disable_timing=True)
-                                                                 for _ in range(3))
+                self._ready, self._finished, self._host_event = (cupy.cuda.Event(disable_timing=True) for _ in range(3))
         except BaseException:
             if control is not None:
                 control.close()
@@ -153,13 +125,12 @@ class NcclCommunicator(NcclShards, CommunicatorState):
 
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[NcclCommunicator, RankInfo]:
-        """Build it with its host control plane: shared memory in the multiprocessing mode, else MPI; the
-        NCCL id made by rank 0 and broadcast over it.
+        """Build it with its host control plane (shared memory in the multiprocessing mode, else MPI), the NCCL id
+        broadcast over it.
 
         Raises:
             BackendUnavailableError: MPI is needed but cannot be imported.
-            ValueError: as the control plane's ``from_launch``, or more processes on the node than
-                visible devices (on every rank, naming the count).
+            ValueError: as the control plane's ``from_launch``, or more processes on the node than visible devices.
         """
         from . import backend_class
 
@@ -187,10 +158,8 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         """Wait on the host until the caller's stream has passed the last collective, bounded.
 
         Raises:
-            DistOptError: NCCL reported an asynchronous error (the
-                communicator is aborted).
-            CollectiveTimeoutError: the deadline passed (the communicator is
-                aborted, so no rank stays blocked in a kernel).
+            DistOptError: NCCL reported an asynchronous error (the communicator is aborted).
+            CollectiveTimeoutError: the deadline passed (aborted, so no rank stays blocked in a kernel).
         """
         self.host_syncs += 1
         done = self._host_event
@@ -229,13 +198,13 @@ class NcclCommunicator(NcclShards, CommunicatorState):
         caller.wait_event(self._finished)
 
     def _host_call(self, name: str, array: np.ndarray, *args: Any) -> Any:
-        """A sharded collective on a NumPy array: by the control communicator, else staged through the
-        device (one host wait); the result on the host (``all_gather_into``: written into ``array``)."""
+        """Collective ``name`` on a NumPy array: by the control communicator, else staged through the device (one host
+        wait); the result on the host (the in-place collectives: written into ``array``)."""
         if self.control is not None:
             return getattr(self.control, name)(array, *args)
         staged = getattr(self, name)(cupy.asarray(array), *args)
         self._host_wait(f"{name} of {array.size} host elements")
-        if name == "all_gather_into":
+        if name in ("all_reduce", "broadcast", "all_gather_into"):
             array[...] = staged.get()
             return array
         return staged.get()
@@ -245,20 +214,13 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """In-place all-reduce on the comm stream; see :class:`~distopt.comm.base.Communicator`.
 
-        A NumPy array (DistOpt's small control buffers: flags, metrics) goes
-        over the control communicator, or without one is staged through the
-        device and copied back, synchronously.
+        A NumPy array (DistOpt's small control buffers: flags, metrics) goes over the control communicator, or without
+        one is staged through the device and copied back, synchronously.
         """
-        if isinstance(array, np.ndarray) and self.control is not None:
-            return self.control.all_reduce(array, op)
         if isinstance(array, np.ndarray):
-            staged = self.all_reduce(cupy.asarray(array), op)
-            self._host_wait(f"all_reduce of {array.size} host elements")
-            array[...] = staged.get()
-            return array
+            return self._host_call("all_reduce", array, op)
         check_reduce_args(array, op)
-        dtype = nccl_dtype(array)
-        reduction = nccl_op(array, op)
+        dtype, reduction = nccl_dtype(array), nccl_op(array, op)
         if array.size:
             self._run(lambda s: self._comm.allReduce(array.data.ptr, array.data.ptr, array.size, dtype, reduction, s))
         if op == "avg":
@@ -269,27 +231,20 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     def all_reduce_async(self, array: Any, op: str = "sum") -> Completed:
         """Enqueue the all-reduce on the comm stream and return at once.
 
-        The host never blocks: the caller's current stream already waits for
-        the result, so ``wait()`` only returns the array.
+        The host never blocks: the caller's current stream already waits for the result; ``wait()`` returns the array.
         """
         return Completed(self.all_reduce(array, op))
 
     @collective
     @on_device
     def broadcast(self, array: Any, root: int = 0) -> Any:
-        """In-place broadcast from ``root`` on the comm stream (NumPy arrays by the control communicator or
-        staged, synchronously).
+        """In-place broadcast from ``root`` on the comm stream (NumPy arrays: as in :meth:`all_reduce`).
 
         Raises:
             TypeError: ``array`` is not C-contiguous (NCCL reads ``size`` elements from its first one).
         """
-        if isinstance(array, np.ndarray) and self.control is not None:
-            return self.control.broadcast(array, root)
         if isinstance(array, np.ndarray):
-            staged = self.broadcast(cupy.asarray(array), root)
-            self._host_wait(f"broadcast of {array.size} host elements")
-            array[...] = staged.get()
-            return array
+            return self._host_call("broadcast", array, root)
         _check_contiguous(array)
         dtype = nccl_dtype(array)
         if array.size:
@@ -300,12 +255,8 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     @on_device
     def all_gather(self, array: Any) -> Any:
         """Equal-size all-gather; returns a new array of shape ``(size, *array.shape)`` (NumPy in, NumPy out)."""
-        if isinstance(array, np.ndarray) and self.control is not None:
-            return self.control.all_gather(array)
         if isinstance(array, np.ndarray):
-            staged = self.all_gather(cupy.asarray(array))
-            self._host_wait(f"all_gather of {array.size} host elements")
-            return staged.get()
+            return self._host_call("all_gather", array)
         dtype = nccl_dtype(array)
         src = cupy.ascontiguousarray(array)
         out = cupy.empty((self.size, *array.shape), dtype=array.dtype)
@@ -316,8 +267,8 @@ class NcclCommunicator(NcclShards, CommunicatorState):
     @collective
     @on_device
     def all_gather_v(self, array: Any) -> list[Any]:
-        """Variable-length all-gather of 1-D arrays: counts first (over the control plane, or one host
-        sync), then padded data."""
+        """All-gather of 1-D arrays of per-rank lengths: counts first (control plane, or one host sync), then padded
+        data."""
         if array.ndim != 1:
             raise ValueError(f"all_gather_v takes a 1-D array, got shape {array.shape}")
         if isinstance(array, np.ndarray) and self.control is not None:

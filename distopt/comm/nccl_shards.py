@@ -1,19 +1,13 @@
 """The NCCL backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
 
-:class:`NcclShards` is a mixin of :class:`~distopt.comm.nccl.NcclCommunicator`
-(it uses the communicator's NCCL communicator, its stream-ordered ``_run``
-and the host path ``_host_call`` for NumPy arrays). ``reduce_scatter`` is
-``ncclReduceScatter`` into a new array (``array`` is left unchanged),
-``all_gather_into`` an in-place ``ncclAllGather``, ``all_to_all`` grouped
-``ncclSend``/``ncclRecv`` into a new array. With unequal counts each segment
-is padded to ``max(counts)`` in a zeroed ``(size, max(counts))`` copy (the
-gather copies back). The ``_async`` forms return completed handles: the
-work is already ordered on the caller's stream. As for the other NCCL
-collectives there is no cross-rank agreement check (it would cost a host
-round trip per call). Each call runs with the communicator's device current
-(:func:`~distopt.comm.nccl.on_device`); a failing send or receive inside
-the group still ends the group (``groupEnd`` in ``finally``), so the
-thread's later NCCL calls are not left collected forever.
+:class:`NcclShards` is a mixin of :class:`~distopt.comm.nccl.NcclCommunicator` (it uses the communicator's NCCL
+communicator, its stream-ordered ``_run`` and the host path ``_host_call`` for NumPy arrays). ``reduce_scatter`` is
+``ncclReduceScatter`` into a new array (``array`` is left unchanged), ``all_gather_into`` an in-place ``ncclAllGather``,
+``all_to_all`` grouped ``ncclSend``/``ncclRecv`` into a new array. With unequal counts each segment is padded to
+``max(counts)`` in a zeroed ``(size, max(counts))`` copy (the gather copies back). The ``_async`` forms return completed
+handles: the work is already ordered on the caller's stream. There is no cross-rank agreement check (see
+:mod:`~distopt.comm.nccl`). A failing send or receive inside the group still ends the group (``groupEnd`` in
+``finally``), so the thread's later NCCL calls are not left collected forever.
 """
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .base import check_counts, check_reduce_args, check_rows
+from .base import _starts, check_counts, check_reduce_args, check_rows
 from .lifecycle import Completed, collective
 from .nccl_types import cupy, nccl, nccl_dtype, nccl_op
 
@@ -33,8 +27,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def on_device(method: F) -> F:
-    """Run a communicator method with the communicator's device current (CuPy's current device is per
-    host thread), after checking that the communicator was not aborted."""
+    """Run a communicator method with the communicator's device current (CuPy's current device is per host thread),
+    after checking that the communicator was not aborted."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._check_live(method.__name__)
@@ -42,11 +36,6 @@ def on_device(method: F) -> F:
             return method(self, *args, **kwargs)
 
     return call  # type: ignore[return-value]
-
-
-def _starts(counts: Sequence[int]) -> list[int]:
-    """Element offset of each rank's segment."""
-    return [sum(counts[:r]) for r in range(len(counts))]
 
 
 class NcclShards:
@@ -63,9 +52,9 @@ class NcclShards:
     @collective
     @on_device
     def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
-        """Reduce-scatter on the comm stream into a new array of ``counts[rank]`` elements; ``array`` is
-        left unchanged. See :meth:`distopt.comm.base.Communicator.reduce_scatter` (no cross-rank
-        agreement check, see the module docs) and, for unequal counts, the padding above."""
+        """Reduce-scatter on the comm stream into a new array of ``counts[rank]`` elements; ``array`` is left unchanged.
+        See :meth:`distopt.comm.base.Communicator.reduce_scatter` (no cross-rank agreement check, see the module docs)
+        and, for unequal counts, the padding above."""
         check_reduce_args(array, op)
         counts = check_counts(array, counts, self.size)
         if isinstance(array, np.ndarray):
@@ -122,8 +111,8 @@ class NcclShards:
     @collective
     @on_device
     def all_to_all(self, array: Any) -> Any:
-        """Row j of ``array`` to rank j by grouped send/receive on the comm stream; a new array of
-        ``array``'s shape (NumPy in, NumPy out). See :meth:`distopt.comm.base.Communicator.all_to_all`."""
+        """Row j of ``array`` to rank j by grouped send/receive on the comm stream; a new array of ``array``'s shape
+        (NumPy in, NumPy out). See :meth:`distopt.comm.base.Communicator.all_to_all`."""
         check_rows(array, self.size)
         if isinstance(array, np.ndarray):
             return self._host_call("all_to_all", array)

@@ -1,17 +1,13 @@
 """How the NCCL backend imports NCCL, and names a CuPy array's dtype and a reduction to NCCL.
 
-The one place that imports ``cupy.cuda.nccl``. CuPy's own module catches the
-``ImportError`` of a libnccl it cannot load and leaves ``available = False``
-with none of NCCL's names (``cupy/cuda/nccl.py``), so importing it is not
-enough: this module raises ``ImportError`` then, which
-:func:`distopt.comm.backend_class` turns into ``BackendUnavailableError``.
+The one place that imports ``cupy.cuda.nccl``. CuPy's own module catches the ``ImportError`` of a libnccl it cannot load
+and leaves ``available = False`` with none of NCCL's names (``cupy/cuda/nccl.py``), so importing it is not enough: this
+module raises ``ImportError`` then, which :func:`distopt.comm.backend_class` turns into ``BackendUnavailableError``.
 
-NCCL has float16, bfloat16 (CuPy 14 with ml_dtypes), float32, float64, int8,
-uint8, int32, uint32, int64 and uint64; bool travels as uint8 and is reduced
-with MAX (logical OR: ``"sum"``, ``"max"``) or MIN (logical AND: ``"min"``).
-``"avg"`` is an NCCL sum, which the backend then divides by the world size
-(NCCL's own ``ncclAvg`` pre-multiplies each rank's value by 1/W: other bits
-than the host backends' sum-then-divide).
+NCCL has float16, bfloat16 (CuPy 14 with ml_dtypes), float32, float64, int8, uint8, int32, uint32, int64 and uint64;
+bool travels as uint8 and is reduced with MAX (logical OR: ``"sum"``, ``"max"``) or MIN (logical AND: ``"min"``).
+``"avg"`` is an NCCL sum, which the backend then divides by the world size (NCCL's own ``ncclAvg`` pre-multiplies each
+rank's value by 1/W: other bits than the host backends' sum-then-divide).
 """
 from __future__ import annotations
 
@@ -45,28 +41,23 @@ def bfloat16_supported() -> bool:
     return True
 
 
-def _types() -> dict[np.dtype, int]:
-    types = {
-        np.dtype(np.float16): nccl.NCCL_FLOAT16,
-        np.dtype(np.float32): nccl.NCCL_FLOAT32,
-        np.dtype(np.float64): nccl.NCCL_FLOAT64,
-        np.dtype(np.int8): nccl.NCCL_INT8,
-        np.dtype(np.uint8): nccl.NCCL_UINT8,
-        np.dtype(np.int32): nccl.NCCL_INT32,
-        np.dtype(np.uint32): nccl.NCCL_UINT32,
-        np.dtype(np.int64): nccl.NCCL_INT64,
-        np.dtype(np.uint64): nccl.NCCL_UINT64,
-        np.dtype(np.bool_): nccl.NCCL_UINT8,  # reduced with MAX (OR) / MIN (AND)
-    }
-    if bfloat16_supported():
-        import ml_dtypes
-
-        types[np.dtype(ml_dtypes.bfloat16)] = nccl.NCCL_BFLOAT16
-    return types
-
-
 #: NumPy dtype -> NCCL datatype.
-NCCL_TYPES = _types()
+NCCL_TYPES: dict[np.dtype, int] = {
+    np.dtype(np.float16): nccl.NCCL_FLOAT16,
+    np.dtype(np.float32): nccl.NCCL_FLOAT32,
+    np.dtype(np.float64): nccl.NCCL_FLOAT64,
+    np.dtype(np.int8): nccl.NCCL_INT8,
+    np.dtype(np.uint8): nccl.NCCL_UINT8,
+    np.dtype(np.int32): nccl.NCCL_INT32,
+    np.dtype(np.uint32): nccl.NCCL_UINT32,
+    np.dtype(np.int64): nccl.NCCL_INT64,
+    np.dtype(np.uint64): nccl.NCCL_UINT64,
+    np.dtype(np.bool_): nccl.NCCL_UINT8,  # reduced with MAX (OR) / MIN (AND)
+}
+if bfloat16_supported():
+    import ml_dtypes
+
+    NCCL_TYPES[np.dtype(ml_dtypes.bfloat16)] = nccl.NCCL_BFLOAT16
 _OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
 
@@ -85,6 +76,6 @@ def nccl_dtype(array: Any) -> int:
 
 
 def nccl_op(array: Any, op: str) -> int:
-    """The NCCL reduction of ``op`` (a name of :data:`~distopt.comm.base.REDUCE_OPS`) on ``array``'s dtype
-    (bool: MAX for OR, MIN for AND)."""
+    """The NCCL reduction of ``op`` (of :data:`~distopt.comm.base.REDUCE_OPS`) on ``array``'s dtype (bool: MAX for OR,
+    MIN for AND)."""
     return {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]

@@ -1,10 +1,8 @@
 """The one rank-order reduction: every rank combines every rank's contribution in the same order.
 
-Floating-point addition is not associative, so a sum is the same on every
-rank only when every rank adds the same numbers in the same order. The
-backends that reduce on the host (shared memory, and the small all-reduces
-MPI and torch.distributed carry inside their control block) and the tests'
-simulated world all reduce through :func:`reduce_in_rank_order`.
+Floating-point addition is not associative, so a sum is the same on every rank only when every rank adds the same
+numbers in the same order. The host reductions (shared memory, the small all-reduces MPI and torch.distributed carry in
+their control block, the tests' simulated world) all go through :func:`reduce_in_rank_order`.
 """
 from __future__ import annotations
 
@@ -30,29 +28,23 @@ def accumulator_dtype(dtype: np.dtype) -> np.dtype:
 def reduce_in_rank_order(rows: Sequence[np.ndarray], op: str, acc: np.ndarray) -> np.ndarray:
     """``acc[...] = ((rows[0] . rows[1]) . rows[2]) . ...``: every rank's contribution, in rank order.
 
-    Every step is computed in ``acc.dtype`` (16-bit float rows widen exactly
-    to a float32 ``acc``), so every rank that passes the same rows gets
-    bitwise the same ``acc``.
+    Every step is computed in ``acc.dtype`` (16-bit float rows widen exactly to a float32 ``acc``), so every rank that
+    passes the same rows gets bitwise the same ``acc``.
 
     Args:
-        rows: at least one array per rank, in rank order, each of ``acc``'s
-            shape (elements), of ``acc.dtype`` or one that widens exactly to
-            it (float16/bfloat16 to float32). ``acc`` may be ``rows[0]`` or
-            ``rows[1]`` itself (then it is overwritten).
-        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; booleans combine
-            as OR (sum, max) and AND (min). ``"avg"`` combines as ``"sum"``:
-            the division by the number of ranks is the caller's, since
-            backends differ in whether they divide before or after rounding
-            a float32 accumulator to 16 bits (each as its large path does).
-        acc: the result, written in place; see
-            :func:`accumulator_dtype` for the dtype to accumulate in.
+        rows: at least one array per rank, in rank order, each of ``acc``'s shape (elements), of ``acc.dtype`` or one
+            that widens exactly to it (float16/bfloat16 to float32); ``acc`` may be ``rows[0]`` or ``rows[1]``.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; booleans combine as OR (sum, max) and AND (min). ``"avg"``
+            combines as ``"sum"``: the division by the number of ranks is the caller's, since backends differ in whether
+            they divide before or after rounding a float32 accumulator to 16 bits (each as its large path does).
+        acc: the result, written in place; see :func:`accumulator_dtype` for the dtype to accumulate in.
 
     Returns:
         ``acc``.
 
     Raises:
-        KeyError: ``op`` is not one of the four (callers validate it first
-            with :func:`~distopt.comm.base.check_reduce_args`).
+        KeyError: ``op`` is not one of the four (callers validate it first with
+            :func:`~distopt.comm.base.check_reduce_args`).
     """
     dtype = acc.dtype
     if len(rows) == 1:

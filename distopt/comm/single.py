@@ -1,11 +1,8 @@
 """The world of one process: every collective is the identity, checked like the others.
 
-What a plain ``python train.py`` (no launcher) gets: world size 1, no MPI,
-no shared memory, no network. Arguments are validated as by the other
-backends (op and dtype rules, 1-D input of ``all_gather_v``, ``root``, the
-``counts`` of the sharded collectives), so a
-script that is wrong at world size N is wrong here too. Works on any array
-type (NumPy, CuPy, torch tensors): nothing moves.
+What a plain ``python train.py`` (no launcher) gets: world size 1, no MPI, no shared memory, no network. Arguments are
+validated as by the other backends, so a script that is wrong at world size N is wrong here too. Works on any array type
+(NumPy, CuPy, torch tensors): nothing moves.
 """
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ class SingleCommunicator(CommunicatorState):
         """Build it for a plain ``python train.py`` (or a forced ``backend="single"``).
 
         Raises:
-            ValueError: the launch says the world has more than one process (unless
-                ``$DISTOPT_INDEPENDENT_PROCESSES=1`` asks for each process on its own: then the
-                returned rank information is this process alone, rank 0 of 1).
+            ValueError: the launch says the world has more than one process, unless ``$DISTOPT_INDEPENDENT_PROCESSES=1``
+                asks for each process on its own (then rank 0 of 1).
         """
         info = launch.rank_info()
         if info.world_size != 1:

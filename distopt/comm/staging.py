@@ -1,13 +1,10 @@
 """CUDA arrays on the host backends (MPI, shared memory), staged through host memory.
 
-The MPI backend here is not CUDA-aware (MPICH from PyPI moves host memory
-only) and shared memory is host memory, so a CuPy array handed to one of
-their collectives is copied to a NumPy array (``cupy.asnumpy``, which waits
-for the device), reduced there, and copied back (``array.set``). The
-result is the same as for NumPy arrays; the cost is two copies over PCIe
-and one host wait per call. This lets multi-rank GPU code paths (CuPy
-models, CUDA tensors through ``DistOpt``) run on one GPU, where NCCL
-refuses two ranks. For speed on GPUs use the NCCL backend.
+The MPI backend here is not CUDA-aware (MPICH from PyPI moves host memory only) and shared memory is host memory, so a
+CuPy array handed to one of their collectives is copied to a NumPy array (``cupy.asnumpy``, which waits for the device),
+reduced there, and copied back (``array.set``). The result is the same as for NumPy arrays; the cost is two copies over
+PCIe and one host wait per call. This lets multi-rank GPU code paths (CuPy models, CUDA tensors through ``DistOpt``) run
+on one GPU, where NCCL refuses two ranks. For speed on GPUs use the NCCL backend.
 """
 from __future__ import annotations
 
@@ -27,9 +24,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def staged(method: F) -> F:
     """Decorate a collective ``method(self, array, ...)``: CuPy arrays go through host copies.
 
-    In-place collectives (the result is the argument) write back into the
-    CuPy array and return it; gathers return CuPy arrays (lists of them for
-    ``all_gather_v``). NumPy arrays pass through untouched.
+    In-place collectives (the result is the argument) write back into the CuPy array and return it; gathers return CuPy
+    arrays (lists of them for ``all_gather_v``). NumPy arrays pass through untouched.
     """
 
     @functools.wraps(method)
@@ -51,8 +47,8 @@ def staged(method: F) -> F:
 
 
 def staged_async(method: F) -> F:
-    """Decorate ``all_reduce_async``: a CuPy array is reduced at once through the staged ``all_reduce``
-    (host copies cannot overlap the device), and a completed handle is returned."""
+    """Decorate ``all_reduce_async``: a CuPy array is reduced at once through the staged ``all_reduce`` (host copies
+    cannot overlap the device), and a completed handle is returned."""
 
     @functools.wraps(method)
     def call(self: Any, array: Any, op: str = "sum") -> Any:

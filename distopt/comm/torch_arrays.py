@@ -1,12 +1,10 @@
-"""The torch backend's view of a caller's array: a flat tensor sharing its memory, how torch.distributed
-moves and reduces its dtype, and the way back.
+"""The torch backend's view of a caller's array: a flat tensor sharing its memory, how torch.distributed moves and
+reduces its dtype, and the way back.
 
-NumPy arrays become CPU tensors that share their memory (``torch.from_numpy``,
-no copy; bfloat16 from ``ml_dtypes`` through a 16-bit view), CuPy arrays CUDA
-tensors through DLPack, torch tensors stay as they are; results go back to
-the caller's array type. gloo reduces the dtypes of :data:`REDUCIBLE` (bool:
-MAX for logical OR, MIN for AND; ``"avg"`` is a sum the backend then
-divides) and moves any other dtype as its bytes (:func:`movable`).
+NumPy arrays become CPU tensors that share their memory (``torch.from_numpy``, no copy; bfloat16 from ``ml_dtypes``
+through a 16-bit view), CuPy arrays CUDA tensors through DLPack, torch tensors stay as they are; results go back to the
+caller's array type. gloo reduces the dtypes of :data:`REDUCIBLE` (bool: MAX for logical OR, MIN for AND; ``"avg"`` is a
+sum the backend then divides) and moves any other dtype as its bytes (:func:`movable`).
 """
 from __future__ import annotations
 
@@ -26,15 +24,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
 _BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _bfloat16() -> np.dtype | None:
-    try:
-        import ml_dtypes
-    except ImportError:
-        return None
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-_NP_BF16 = _bfloat16()
+try:
+    import ml_dtypes
+    _NP_BF16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    _NP_BF16 = None
 
 
 class FlatTensor:
@@ -84,8 +78,8 @@ def descriptor_code(t: FlatTensor, extra: int) -> int:
 
 
 def torch_op(dtype: torch.dtype, op: str) -> Any:
-    """The ``ReduceOp`` of ``op`` (a name of :data:`~distopt.comm.base.REDUCE_OPS`) on ``dtype`` (bool: MAX
-    for OR, MIN for AND).
+    """The ``ReduceOp`` of ``op`` (of :data:`~distopt.comm.base.REDUCE_OPS`) on ``dtype`` (bool: MAX for OR, MIN for
+    AND).
 
     Raises:
         TypeError: gloo cannot reduce ``dtype``.

@@ -1,13 +1,9 @@
 """How the torch backend joins the job: its own rendezvous, or a new group of the script's process group.
 
-With no default process group yet, :func:`join` initialises one with
-``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
-``torchrun`` sets them) and the communicator owns it; its keys in the store
-are prefixed per initialisation (see :data:`_GROUPS`). When the script has
-initialised one already, it makes a new group of all its ranks instead, so
-distopt's traffic never interleaves with the caller's. With CUDA the group
-is ``"cpu:gloo,cuda:nccl"`` (torch routes each tensor by its device), else
-``"gloo"``.
+With no default process group yet, :func:`join` initialises one with ``env://`` (as ``torchrun`` sets it up) and the
+communicator owns it; its keys in the store are prefixed per initialisation (see :data:`_GROUPS`). When the script has
+initialised one already, it makes a new group of all its ranks instead, so distopt's traffic never interleaves with the
+caller's. With CUDA the group is ``"cpu:gloo,cuda:nccl"`` (torch routes each tensor by its device), else ``"gloo"``.
 """
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ def join(rank: int | None, size: int | None, timeout: float, device: int | None)
 
     Returns:
         The process group (None: the default group, which this call created), the backend string
-        (``"cpu:gloo,cuda:nccl"`` or ``"gloo"``), and whether the caller owns the default group
-        (destroys it on close).
+        (``"cpu:gloo,cuda:nccl"`` or ``"gloo"``), and whether the caller owns the default group (destroys it on close).
 
     Raises:
         ValueError: ``MASTER_ADDR``/``MASTER_PORT`` missing when no process group is initialised.
@@ -58,11 +53,7 @@ def join(rank: int | None, size: int | None, timeout: float, device: int | None)
             f"the torch backend joins the job through {' and '.join(missing)}, which are not set: "
             "start the script with torchrun, or export MASTER_ADDR (rank 0's host) and MASTER_PORT "
             "(a free port) on every rank")
-    kwargs: dict[str, Any] = {}
-    if rank is not None:
-        kwargs["rank"] = int(rank)
-    if size is not None:
-        kwargs["world_size"] = int(size)
+    kwargs = {key: int(value) for key, value in (("rank", rank), ("world_size", size)) if value is not None}
     _GROUPS[0] += 1
     try:
         store, rank, size = next(dist.rendezvous("env://", timeout=pg_timeout, **kwargs))

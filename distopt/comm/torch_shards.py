@@ -1,37 +1,22 @@
 """The torch backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
 
-:class:`TorchShards` is a mixin of :class:`~distopt.comm.torchdist.TorchCommunicator`
-(it uses its control block, process group and bounded waits).
+:class:`TorchShards` is a mixin of :class:`~distopt.comm.torchdist.TorchCommunicator` (it uses its control block,
+process group and bounded waits). The blocking forms first agree on the call through the control block, its inline data
+a CRC-32 of ``counts`` (:meth:`~distopt.comm.control.ControlBlock.agree_counts`), so ranks with different counts, dtypes
+or ops raise :class:`~distopt.errors.CollectiveMismatchError` on every rank; the ``_async`` forms do not. Gathers move
+any dtype (as bytes); reductions take the dtypes gloo reduces.
 
-``reduce_scatter`` on CPU memory is one ``all_to_all_single`` with per-rank
-splits (no padding, no copy of ``array``): rank r receives every rank's copy
-of segment r, ``(size, counts[r])`` elements, and combines them in rank order
-(16-bit floats in float32, rounded once; ``"avg"`` then divides in the
-array's dtype, as ``all_reduce`` does). gloo's reduce-scatters cannot be
-bounded: their ``Work.is_completed()`` never turns True (torch 2.13). The
-wire carries what a reduce-scatter carries. On CUDA (NCCL) it is one
-``reduce_scatter_single`` (once ``reduce_scatter_tensor``) into a new tensor, every segment padded to
-``max(counts)`` elements in a zeroed ``(size, max(counts))`` copy of ``array``
-when the counts differ.
+``reduce_scatter`` on CPU memory is one ``all_to_all_single`` with per-rank splits (no padding, no copy of ``array``):
+rank r receives every rank's copy of segment r and combines them in rank order (16-bit floats in float32, rounded once;
+``"avg"`` then divides in the array's dtype, as ``all_reduce`` does), since gloo's reduce-scatters cannot be bounded
+(their ``Work.is_completed()`` never turns True, torch 2.13). On CUDA (NCCL) it is one ``reduce_scatter_single`` into a
+new tensor, the segments padded to ``max(counts)`` elements in a zeroed ``(size, max(counts))`` copy if counts differ.
 
-``all_gather_into`` on CPU memory (gloo) is one ``broadcast`` per rank of
-its segment, in place in the caller's array: no copy, no padding for
-unequal counts, and no buffer of the whole array (gloo's all-gather
-gathers into one of its own and copies it back: a 13.6 MB segment per
-rank took 34 ms at W = 2 against 10 ms for the two broadcasts, and a
-100 MB gather raised the peak RSS by 95 MiB). On CUDA (NCCL) with equal
-counts it is one ``all_gather_single`` (once ``all_gather_into_tensor``)
-in place, its input this rank's segment of the output; with unequal
-counts it gathers a copy of this rank's segment padded to ``max(counts)``
-elements into a new ``(size, max(counts))`` tensor and copies every
-segment back into ``array``. ``all_to_all`` is one ``all_to_all_single`` into a new tensor.
-Gathers move any dtype (as bytes); reductions take the dtypes gloo reduces.
-
-The blocking forms first agree on the call through the control block, its
-inline data carrying a CRC-32 of ``counts`` (:meth:`~distopt.comm.control.ControlBlock.agree_counts`),
-so ranks with different counts, dtypes or ops raise
-:class:`~distopt.errors.CollectiveMismatchError` on every rank; the
-``_async`` forms do not (as ``all_reduce_async``).
+``all_gather_into`` on CPU memory is one ``broadcast`` per rank of its segment, in place: no copy, no padding, no buffer
+of the whole array (gloo's all-gather fills one of its own and copies it back: 34 ms against 10 ms for 13.6 MB per rank
+at W = 2). On CUDA with equal counts it is one ``all_gather_single`` in place; with unequal counts it gathers padded
+copies into a new ``(size, max(counts))`` tensor and copies the segments back. ``all_to_all`` is one
+``all_to_all_single`` into a new tensor.
 """
 from __future__ import annotations
 
@@ -43,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from .base import REDUCE_OPS, check_counts, check_reduce_args, check_rows
+from .base import REDUCE_OPS, _starts, check_counts, check_reduce_args, check_rows
 from .lifecycle import collective, timed_call
 from .torch_arrays import FlatTensor, descriptor_code as _code, movable, torch_op
 
@@ -61,9 +46,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
-    """Combine the rows of ``rows`` (shape ``(size, m)``, one per rank) in rank order into a new tensor
-    of ``m`` elements and ``rows``' dtype; float16 and bfloat16 accumulate in float32, rounded once.
-    ``"avg"`` combines as ``"sum"`` (the caller divides)."""
+    """Combine ``rows`` (shape ``(size, m)``, one per rank) in rank order into a new tensor of ``m`` elements and their
+    dtype; float16 and bfloat16 accumulate in float32, rounded once; ``"avg"`` as ``"sum"`` (the caller divides)."""
     dtype = rows.dtype
     combine = _BOOL_COMBINE[op] if dtype == torch.bool else _COMBINE[op]
     wide = dtype in (torch.float16, torch.bfloat16)
@@ -86,24 +70,19 @@ class _Works:
         return all(w.is_completed() for w in self._works)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Wait for each work in turn, within ``timeout`` in all (None: each work's own).
-
-        Raises:
-            RuntimeError: a work failed, or the time ran out (torch's "Operation timed out!").
-        """
+        """Wait for each work in turn, within ``timeout`` in all (None: each work's own); RuntimeError when one failed
+        or the time ran out (torch's "Operation timed out!")."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for w in self._works:
-            if deadline is None:
-                w.wait()
-            elif not w.is_completed():
-                w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            if deadline is None or w.is_completed():
+                w.wait()  # a completed work returns at once, or raises its own error
             else:
-                w.wait()  # returns at once, or raises the work's own error
+                w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
         return True
 
 
 class TorchShardHandle:
-    """A reduce-scatter or in-place all-gather in flight (see :meth:`TorchShards.reduce_scatter_async`).
+    """A collective in flight (see :meth:`TorchShards.reduce_scatter_async`).
 
     Args:
         comm: the communicator.
@@ -123,8 +102,7 @@ class TorchShardHandle:
         return self._work is None or bool(self._work.is_completed())
 
     def wait(self) -> Any:
-        """Complete the collective (bounded by the communicator's timeout); returns its result, the
-        same on every call.
+        """Complete the collective (bounded by the communicator's timeout); returns its result, the same on every call.
 
         Raises:
             CollectiveTimeoutError: the deadline passed, or a peer exited.
@@ -150,8 +128,8 @@ class TorchShards:
     _complete: Callable[[Any, FlatTensor, str], None]
 
     def _start_reduce_scatter(self, t: FlatTensor, counts: list[int], op: str) -> tuple[Any, Callable[[], Any]]:
-        """Start the reduce-scatter of ``t``; returns its work (None: nothing moves) and the function
-        that finishes it and returns this rank's segment as the caller's array type."""
+        """Start the reduce-scatter of ``t``; returns its work (None: nothing moves) and the function that finishes it
+        and returns this rank's segment as the caller's array type."""
         reduction = torch_op(t.flat.dtype, op)
         width, mine = max(counts), counts[self.rank]
         work, rows = None, None
@@ -170,10 +148,8 @@ class TorchShards:
             src = t.flat
             if min(counts) != width:  # pad every segment to the widest: one copy of the array
                 src = t.flat.new_zeros(self.size, width)
-                start = 0
-                for r, c in enumerate(counts):
+                for r, (start, c) in enumerate(zip(_starts(counts), counts)):
                     src[r, :c] = t.flat[start:start + c]
-                    start += c
                 src = src.reshape(-1)
             out = t.new(width)
             work = _reduce_scatter_single(out, src, op=reduction, group=self._group, async_op=True)
@@ -187,12 +163,12 @@ class TorchShards:
         return work, finish
 
     def _start_all_gather_into(self, t: FlatTensor, counts: list[int]) -> tuple[Any, Callable[[], Any]]:
-        """Start the in-place all-gather; its work (None: nothing moves) and the function that finishes
-        it (copying the padded segments back) and returns the caller's array."""
+        """Start the in-place all-gather; its work (None: nothing moves) and the function that finishes it (copying the
+        padded segments back) and returns the caller's array."""
         width = max(counts)
         if self.size == 1 or not width:
             return None, lambda: t.array
-        starts = [sum(counts[:r]) for r in range(self.size)]
+        starts = _starts(counts)
         if not t.flat.is_cuda:  # gloo: each segment broadcast in place from its owner (see the module docs)
             works = [dist.broadcast(movable(t.flat[starts[r]:starts[r] + c]), group=self._group, async_op=True,
                                     src=dist.get_global_rank(self._group, r) if self._group is not None else r)
@@ -219,15 +195,13 @@ class TorchShards:
     def reduce_scatter(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum") -> Any:
         """Reduce-scatter; see :meth:`distopt.comm.base.Communicator.reduce_scatter`.
 
-        Returns a new array (the caller's type) of ``counts[rank]``
-        elements; ``array`` is left unchanged (on CUDA, unequal counts pad a
-        copy of it; see the module docs).
+        Returns a new array (the caller's type) of ``counts[rank]`` elements; ``array`` is left unchanged (on CUDA,
+        unequal counts pad a copy of it; see the module docs).
 
         Raises:
             ValueError: bad ``counts`` or a non-1-D ``array``.
             TypeError: unsupported array type or dtype, non-contiguous, integer ``avg``.
-            CollectiveMismatchError: ranks passed different counts, element
-                counts, dtypes or ops (raised on every rank).
+            CollectiveMismatchError: ranks passed different counts, element counts, dtypes or ops (on every rank).
             CollectiveTimeoutError: the deadline passed or a peer exited.
         """
         check_reduce_args(array, op)
@@ -243,12 +217,12 @@ class TorchShards:
     @collective
     def reduce_scatter_async(self, array: Any, counts: Sequence[int] | None = None, op: str = "sum"
                              ) -> TorchShardHandle:
-        """Start a reduce-scatter and return at once; no per-call agreement check (as
-        :meth:`all_reduce_async`): every rank must start the same calls in the same order.
+        """Start a reduce-scatter and return at once; no per-call agreement check (as :meth:`all_reduce_async`): every
+        rank must start the same calls in the same order.
 
         Returns:
-            A handle: ``test()``, and ``wait()`` (bounded, callable twice)
-            returning what :meth:`reduce_scatter` returns.
+            A handle: ``test()``, and ``wait()`` (bounded, callable twice) returning what :meth:`reduce_scatter`
+            returns.
 
         Raises:
             ValueError, TypeError: as :meth:`reduce_scatter`, before anything moves.
@@ -261,8 +235,8 @@ class TorchShards:
 
     @collective
     def all_gather_into(self, array: Any, counts: Sequence[int] | None = None) -> Any:
-        """In-place all-gather of per-rank segments; see
-        :meth:`distopt.comm.base.Communicator.all_gather_into`. Any dtype; returns ``array``.
+        """In-place all-gather of any dtype; see :meth:`distopt.comm.base.Communicator.all_gather_into`; returns
+        ``array``.
 
         Raises:
             ValueError: bad ``counts`` or a non-1-D ``array``.
@@ -295,8 +269,7 @@ class TorchShards:
 
     @collective
     def all_to_all(self, array: Any) -> Any:
-        """Row j of ``array`` to rank j (``all_to_all_single``); see
-        :meth:`distopt.comm.base.Communicator.all_to_all`.
+        """Row j of ``array`` to rank j (``all_to_all_single``); see :meth:`distopt.comm.base.Communicator.all_to_all`.
 
         Returns:
             A new array (the caller's type) of ``array``'s shape; row i is rank i's row ``rank``.

@@ -1,16 +1,12 @@
 """Who is where: the torch backend's record, in the process group's c10d store, of where its ranks wait.
 
-A CPU wait that is still incomplete after :func:`post_after` seconds (far shorter than the
-timeout) writes ``"<wait number> waiting <call>"`` under this rank's key in the group's store
-(``distopt/where/<rank>``), and a wait that times out or fails writes ``failed`` instead; a wait
-that completes sooner writes nothing, so a collective that does not stall costs no store traffic.
-When a wait misses its deadline or fails, the rank reads every peer's key: a peer whose last
-recorded wait is older than this one (or that recorded none) did not arrive; one that recorded
-``failed`` for it gave up (timed out, then closed its connections). Every rank makes the same
-waits in the same order (the same collectives), so the wait numbers match across ranks.
-
-A peer that arrives less than :func:`post_after` seconds before the waiter's deadline has not
-written its key yet and is named as not arrived (it arrived within a moment of the deadline).
+A CPU wait still incomplete after :func:`post_after` seconds writes ``"<wait number> waiting <call>"`` under this rank's
+key in the group's store (``distopt/where/<rank>``), and a wait that times out or fails writes ``failed``; a wait that
+completes sooner writes nothing, so a collective that does not stall costs no store traffic. When a wait misses its
+deadline or fails, the rank reads every peer's key: a peer whose last recorded wait is older than this one (or that
+recorded none), even one that arrived less than :func:`post_after` seconds before the deadline, is named as not arrived;
+one that recorded ``failed`` for it gave up. Every rank makes the same waits in the same order, so the wait numbers
+match.
 """
 from __future__ import annotations
 
@@ -46,8 +42,8 @@ class StoreWhere:
         self._error: str | None = None
 
     def post(self, number: int, what: str, state: str = "waiting") -> None:
-        """Record that this rank is in its wait number ``number``, of the call ``what``: ``state``
-        ``"waiting"``, or ``"failed"`` once the wait timed out or failed here.
+        """Record that this rank is in its wait number ``number``, of the call ``what``: ``state`` ``"waiting"``, or
+        ``"failed"`` once the wait timed out or failed here.
 
         A store that cannot be written (its host exited) is remembered for :meth:`missing`'s answer.
         """
@@ -57,12 +53,11 @@ class StoreWhere:
             self._error = str(exc).splitlines()[0]
 
     def missing(self, number: int) -> str:
-        """Which peers have not reached this rank's wait number ``number`` or, when every peer did,
-        which gave up on it, for a timeout message.
+        """Which peers have not reached this rank's wait number ``number`` or, when every peer did, which gave up on it.
 
         Returns:
-            ``"ranks that did not arrive: 1 (last seen waiting in barrier #3), 2"``; ``"rank 0 gave
-            up (all_reduce #4 failed there)"`` (several joined by ``"; "``); ``"every rank reached it;
+            ``"ranks that did not arrive: 1 (last seen waiting in barrier #3), 2"``;
+            ``"rank 0 gave up (all_reduce #4 failed there)"`` (several joined by ``"; "``); ``"every rank reached it;
             the collective itself stalled"``; or, when the store cannot be read, why.
         """
         behind, gone = [], []

@@ -1,37 +1,21 @@
 """torch.distributed backend: gloo for CPU arrays and tensors, NCCL for CUDA tensors.
 
-The job is joined with ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, as ``torchrun`` sets them), or an already initialised default
-process group is reused through a new group of all its ranks, so distopt's
-traffic never interleaves with the caller's (:mod:`~distopt.comm.torch_join`).
-With CUDA available the group is ``"cpu:gloo,cuda:nccl"``: torch routes each
-tensor by its device.
+The job is joined with ``env://`` as ``torchrun`` sets it up, or through a new group of all the ranks of the script's
+own process group, so distopt's traffic never interleaves with the caller's (:mod:`~distopt.comm.torch_join`). NumPy
+arrays travel as CPU tensors that share their memory, CuPy arrays as CUDA tensors through DLPack, torch tensors as they
+are; collectives return the caller's array type (:mod:`~distopt.comm.torch_arrays`).
 
-Arrays: NumPy arrays travel as CPU tensors that share their memory, CuPy
-arrays as CUDA tensors through DLPack, torch tensors as they are
-(:mod:`~distopt.comm.torch_arrays`, which also names the dtypes gloo reduces).
-Collectives return the caller's array type.
+Every collective first all-gathers a descriptor over gloo in a fixed-size control block (:mod:`~distopt.comm.control`),
+so ranks that disagree get :class:`~distopt.errors.CollectiveMismatchError` on every rank instead of a garbled result; a
+small call on CPU memory (up to 512 bytes per rank: a step header, a metric, a flag) carries its data in that block and
+is reduced locally in rank order (16-bit floats in float32, rounded once). A wait on CPU work blocks in
+``Work.wait(timeout)`` (gloo's threads move the data; nothing polls). A missed deadline, or a peer that exited, is a
+:class:`~distopt.errors.CollectiveTimeoutError` naming the ranks that did not arrive (:mod:`~distopt.comm.torch_where`);
+the communicator is unusable after it. CUDA work is ordered on torch's streams, bounded by the NCCL watchdog.
 
-Every collective first all-gathers a 4-integer descriptor (kind, sequence
-number, element count, dtype/op code) over gloo, so ranks that disagree get
-:class:`~distopt.errors.CollectiveMismatchError` on every rank instead of a
-garbled result. The descriptor travels in a fixed-size control block (see
-:mod:`~distopt.comm.control`), and a small call on CPU memory (up to 512
-bytes per rank: a step header, a metric, a broadcast flag) carries its data
-in that same block: one collective per call, reduced locally in rank order
-(16-bit floats in float32, rounded once). A wait on CPU work blocks in
-``Work.wait(timeout)`` (gloo's threads move the data; nothing polls). A
-missed deadline, or a peer that exited, is a
-:class:`~distopt.errors.CollectiveTimeoutError` naming the ranks that did not
-arrive (found in the process group's c10d store, :mod:`~distopt.comm.torch_where`);
-the communicator is unusable after it. CUDA work is ordered on torch's streams (``Work.wait()``, no host
-wait), bounded by the process group's own timeout (NCCL watchdog).
-
-Reductions: gloo reduces float16, bfloat16, float32, float64, int8, uint8,
-int32, int64 and bool (sum/max: logical OR, min: logical AND); float16 and
-bfloat16 are summed in their own precision pairwise. Broadcast and gathers
-move any dtype (as bytes). The sharded collectives (reduce-scatter, in-place
-all-gather, all-to-all, with ``_async`` forms) are in :mod:`~distopt.comm.torch_shards`.
+gloo reduces the dtypes of :data:`~distopt.comm.torch_arrays.REDUCIBLE` (float16 and bfloat16 summed in their own
+precision, pairwise); broadcast and gathers move any dtype. The sharded collectives are in
+:mod:`~distopt.comm.torch_shards`.
 """
 from __future__ import annotations
 
@@ -53,12 +37,12 @@ from ..errors import CollectiveTimeoutError
 from ..launch.devices import device_index
 from . import control
 from .base import REDUCE_OPS, check_reduce_args
-from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit
 from .messages import STALLED, UNUSABLE, failure_message, timeout_message, where
 from .rank_order import reduce_in_rank_order
 from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movable, torch_op
 from .torch_join import join
-from .torch_shards import TorchShards
+from .torch_shards import TorchShardHandle, TorchShards, _all_gather_single as _gather_flat
 from .torch_where import StoreWhere, post_after
 from .torch_exit import wait_for_workers_at_exit
 from .wait import resolve_timeout
@@ -69,59 +53,38 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchCommunicator", "TorchHandle"]
 
-_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: A CPU wait that fails after this fraction of the deadline timed out (gloo's own timer, as long as
 #: ours, starts when its thread takes the work up, a moment before or after the wait begins).
 _LATE = 0.9
 
 
-class TorchHandle:
-    """An all-reduce in flight (see :meth:`TorchCommunicator.all_reduce_async`)."""
+class TorchHandle(TorchShardHandle):
+    """An all-reduce in flight (see :meth:`TorchCommunicator.all_reduce_async`): ``test()`` never blocks; ``wait()``
+    completes it (bounded by the communicator's timeout) and returns the array."""
 
     def __init__(self, comm: TorchCommunicator, work: Any, t: FlatTensor, op: str) -> None:
-        self._comm, self._work, self._t, self._op = comm, work, t, op
+        def finish() -> Any:
+            if op == "avg" and work is not None:
+                t.flat.div_(comm.size)
+            return t.array
 
-    def test(self) -> bool:
-        """True once the reduction is complete (never blocks)."""
-        return self._work is None or bool(self._work.is_completed())
-
-    def wait(self) -> Any:
-        """Complete the reduction (bounded by the communicator's timeout); returns the array.
-
-        Raises:
-            CollectiveTimeoutError: the deadline passed, or a peer exited.
-            CommunicatorClosedError: the communicator was closed meanwhile.
-        """
-        if self._work is not None:
-            self._comm._check_open("all_reduce_async wait")
-            timed_call(self._comm, "distopt.all_reduce_async.wait", self._comm._complete, self._work, self._t,
-                       f"all_reduce_async of {self._t.flat.numel()} elements")
-            self._work = None
-            if self._op == "avg":
-                self._t.flat.div_(self._comm.size)
-        return self._t.array
+        super().__init__(comm, work, t, finish, f"all_reduce_async of {t.flat.numel()} elements")
 
 
 class TorchCommunicator(TorchShards, CommunicatorState):
     """Collectives over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
     Args:
-        rank: this process's rank; default ``$RANK`` (read by ``env://``).
-            With an already initialised default process group it must match
-            ``torch.distributed.get_rank()``.
+        rank: this process's rank; default ``$RANK`` (read by ``env://``). With an already initialised default process
+            group it must match ``torch.distributed.get_rank()``.
         size: the world size; default ``$WORLD_SIZE``.
-        timeout: deadline of one collective and of the rendezvous, in
-            seconds; default ``$DISTOPT_TIMEOUT``, else 300.
-        device: CUDA device index to make current (``torch.cuda.set_device``)
-            for NCCL, or None to leave it.
+        timeout: deadline of one collective and of the rendezvous, in seconds; default ``$DISTOPT_TIMEOUT``, else 300.
+        device: CUDA device index to make current (``torch.cuda.set_device``) for NCCL, or None to leave it.
 
     Raises:
-        ValueError: ``MASTER_ADDR``/``MASTER_PORT`` missing when no process
-            group is initialised, a bad timeout, or ``rank``/``size`` that
-            contradict the existing process group.
+        ValueError: ``MASTER_ADDR``/``MASTER_PORT`` missing when no process group is initialised, a bad timeout, or
+            ``rank``/``size`` that contradict the existing process group.
         DistOptError: the rendezvous failed (e.g. a peer never came).
-
-    A communicator that was never closed is closed at interpreter exit.
     """
 
     name = "torch"
@@ -139,8 +102,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def _bind(self, group: Any, backend: str) -> None:
         """Use ``group`` (None: the default group): its rank, size and control buffers."""
         self._group, self._backend = group, backend
-        self.rank: int = dist.get_rank(group)
-        self.size: int = dist.get_world_size(group)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         block, table = control.new_buffers(self.size)
         self._block, self._table = torch.from_numpy(block), torch.from_numpy(table)  # shared with the numpy views
         self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
@@ -150,23 +112,21 @@ class TorchCommunicator(TorchShards, CommunicatorState):
 
     @classmethod
     def from_launch(cls, launch: Launch) -> tuple[TorchCommunicator, RankInfo]:
-        """Join the job of a ``torchrun`` (or ``srun`` with ``MASTER_ADDR``/``MASTER_PORT``) launch: its ranks,
-        and with CUDA the local rank's device. Raises as :class:`TorchCommunicator`."""
+        """Join the job of a ``torchrun`` (or ``srun`` with ``MASTER_ADDR``/``MASTER_PORT``) launch: its ranks, and with
+        CUDA the local rank's device. Raises as :class:`TorchCommunicator`."""
         info = launch.rank_info()
         device = (device_index(info.local_rank, launch.env, torch.cuda.device_count(), local_size=info.local_size)
                   if torch.cuda.is_available() else None)
         return cls(info.global_rank, info.world_size, timeout=launch.timeout, device=device), info
 
-    # ------------------------------------------------------------------ helpers
     def _complete(self, work: Any, t: FlatTensor, what: str) -> None:
-        """Wait for ``work``: stream-ordered on CUDA; on CPU blocked in ``Work.wait(timeout)`` (the GIL
-        released, no polling) until the deadline, recording itself in the store once it has waited
+        """Wait for ``work``: stream-ordered on CUDA; on CPU blocked in ``Work.wait(timeout)`` (the GIL released, no
+        polling) until the deadline, recording itself in the store once it has waited
         :func:`~distopt.comm.torch_where.post_after` seconds (:mod:`~distopt.comm.torch_where`).
 
         Raises:
-            CollectiveTimeoutError: the deadline passed (ours, or gloo's own, which is as long), or a
-                peer exited; the communicator is unusable then. On CPU the message names the ranks
-                that did not arrive.
+            CollectiveTimeoutError: the deadline passed (ours, or gloo's own, which is as long), or a peer exited; the
+                communicator is unusable then. On CPU the message names the ranks that did not arrive.
         """
         self._waits += 1
         number, start = self._waits, time.monotonic()
@@ -190,8 +150,8 @@ class TorchCommunicator(TorchShards, CommunicatorState):
                 place, f"{str(exc).splitlines()[0]} (a peer exited or timed out; {who})", UNUSABLE)) from exc
 
     def _wait_cpu(self, work: Any, number: int, what: str) -> None:
-        """``work.wait`` for at most the timeout; past :func:`~distopt.comm.torch_where.post_after` seconds,
-        record this rank's wait ``number`` (the call ``what``) in the store first."""
+        """``work.wait`` for at most the timeout; past :func:`~distopt.comm.torch_where.post_after` seconds, record this
+        rank's wait ``number`` (the call ``what``) in the store first."""
         brief = post_after(self.timeout)
         try:
             work.wait(datetime.timedelta(seconds=brief))
@@ -221,15 +181,14 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         return not t.flat.is_cuda and t.flat.numel() * t.flat.element_size() <= self._ctl.inline
 
     def _inline_rows(self, like: torch.Tensor) -> torch.Tensor:
-        """Every rank's inline copy of a flat tensor like ``like``, shape ``(size, like.numel())``: a view
-        into the table (read it before the next call)."""
-        nbytes = like.numel() * like.element_size()
+        """Every rank's inline copy of a flat tensor like ``like``, shape ``(size, like.numel())``: a view into the
+        table (read it before the next call)."""
         head = control.HEAD_BYTES
-        return self._table[:, head:head + nbytes].view(like.dtype)
+        return self._table[:, head:head + like.numel() * like.element_size()].view(like.dtype)
 
     def _reduce_inline(self, flat: torch.Tensor, op: str) -> None:
-        """Reduce every rank's inline copy of ``flat`` into it (:func:`~distopt.comm.control.reduce_inline`;
-        float16 and bfloat16 widened to float32 and rounded by torch, so no NumPy bfloat16 is needed)."""
+        """Reduce every rank's inline copy of ``flat`` into it (:func:`~distopt.comm.control.reduce_inline`; float16 and
+        bfloat16 widened to float32 and rounded by torch, so no NumPy bfloat16 is needed)."""
         rows = self._inline_rows(flat)
         if flat.dtype not in (torch.float16, torch.bfloat16):
             control.reduce_inline(rows.numpy(), op, flat.numpy())
@@ -242,7 +201,6 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def _reduce_work(self, t: FlatTensor, op: str) -> Any:
         return dist.all_reduce(t.flat, op=torch_op(t.flat.dtype, op), group=self._group, async_op=True)
 
-    # --------------------------------------------------------------- protocol
     @collective
     def all_reduce(self, array: Any, op: str = "sum") -> Any:
         """Reduce ``array`` in place across ranks and return it; see :class:`~distopt.comm.base.Communicator`.
@@ -272,13 +230,11 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def all_reduce_async(self, array: Any, op: str = "sum") -> TorchHandle:
         """Start an in-place all-reduce and return at once.
 
-        As for the MPI backend there is no per-call agreement check (it
-        would block); every rank must start the same reductions in the same
-        order. gloo progresses in its own threads.
+        As for the MPI backend there is no per-call agreement check (it would block); every rank must start the same
+        reductions in the same order. gloo progresses in its own threads.
 
         Returns:
-            A handle; ``wait()`` completes the reduction (bounded by the
-            timeout) and divides by the world size for ``op="avg"``.
+            A handle; ``wait()`` completes the reduction (bounded) and divides by the world size for ``op="avg"``.
         """
         check_reduce_args(array, op)
         t = FlatTensor(array)
@@ -304,8 +260,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
     def _gather(self, t: FlatTensor, what: str) -> torch.Tensor:
         out = t.new(self.size * t.flat.numel())
         if t.flat.numel():
-            self._complete(_gather_flat(movable(out), movable(t.flat), group=self._group, async_op=True),
-                           t, what)
+            self._complete(_gather_flat(movable(out), movable(t.flat), group=self._group, async_op=True), t, what)
         return out
 
     @collective
@@ -338,15 +293,13 @@ class TorchCommunicator(TorchShards, CommunicatorState):
 
     @collective
     def split(self, ranks: Sequence[int]) -> TorchCommunicator | None:
-        """A communicator of ``ranks`` (ascending, renumbered from 0) by ``torch.distributed.new_group``;
-        None outside them.
+        """A communicator of ``ranks`` (ascending, renumbered from 0) by ``new_group``; None outside them.
 
-        Collective: every rank calls it with the same ranks (use
-        :func:`distopt.comm.groups.split`, which checks that first).
+        Collective: every rank calls it with the same ranks (:func:`distopt.comm.groups.split` checks that first).
 
         Raises:
-            ValueError: this communicator is not the whole job's (``new_group`` needs every process of
-                the job, so a group of a group is not supported on this backend).
+            ValueError: this communicator is not the whole job's (``new_group`` needs every process of the job, so a
+                group of a group is not supported on this backend).
         """
         if self.size != dist.get_world_size():
             raise ValueError(f"the torch backend splits only the whole job's communicator ({dist.get_world_size()} "
@@ -363,11 +316,10 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         return sub
 
     def close(self) -> None:
-        """Destroy the process group distopt created (the default one, or its own group); idempotent, and
-        a no-op after the script's own ``dist.destroy_process_group()`` (which destroys every group).
+        """Destroy the process group distopt created (the default one, or its own group); idempotent, and a no-op after
+        the script's own ``dist.destroy_process_group()`` (which destroys every group).
 
-        Local: no rank waits for the others. Every later call raises
-        :class:`~distopt.errors.CommunicatorClosedError`.
+        Local: no rank waits for the others. Every later call raises :class:`~distopt.errors.CommunicatorClosedError`.
         """
         if self.closed:
             return

@@ -1,24 +1,12 @@
 """The one bounded wait every backend uses, and the one timeout rule.
 
-A backend polls a completion test (``MPI.Request.Test``, a shared-memory
-counter, a CUDA event) with :func:`wait_until`, never past the deadline:
-
-1. it spins (polls without giving up the core) only as long as this backoff's
-   recent waits took: :func:`spin_budget`, twice the median of the last
-   :data:`RECENT` waits, at least :data:`MIN_SPIN_S`, at most ``busy_s``. A
-   wait that ends while spinning costs no system call;
-2. then it polls with ``os.sched_yield()`` between tests, until ``yield_s``
-   (or ``busy_s``, the later): the collective still progresses at every test
-   (MPI moves data only inside MPI calls), but a rank, or a rank's thread,
-   that needs this core gets it at once;
-3. then it sleeps, with exponential backoff.
-
-So a wait longer than usual, a peer late in its own compute, spins no
-longer than the usual wait did. The torch backend waits in ``Work.wait``
-itself instead (gloo's threads move the data; nothing needs polling).
-:func:`resolve_timeout` turns a ``timeout=`` argument or
-``$DISTOPT_TIMEOUT`` into that deadline, validated the same way for every
-backend.
+A backend polls a completion test (``MPI.Request.Test``, a shared-memory counter, a CUDA event) with :func:`wait_until`,
+never past the deadline (:class:`Backoff`): it spins only as long as recent waits took (:func:`spin_budget`), so a wait
+that ends while spinning costs no system call and a peer late in its own compute costs no more spinning than the usual
+wait; then it polls with ``os.sched_yield()`` between tests (the collective still progresses at every test, as MPI moves
+data only inside MPI calls, but a rank or thread that needs this core gets it at once); then it sleeps, with exponential
+backoff. The torch backend waits in ``Work.wait`` itself instead (gloo's threads move the data). :func:`resolve_timeout`
+turns a ``timeout=`` argument or ``$DISTOPT_TIMEOUT`` into that deadline, validated the same way for every backend.
 """
 from __future__ import annotations
 
@@ -68,8 +56,7 @@ def resolve_timeout(timeout: float | None) -> float:
         The deadline in seconds (> 0).
 
     Raises:
-        ValueError: ``timeout`` (or the variable) is not a positive, finite
-            number; the message names which one.
+        ValueError: ``timeout`` (or the variable) is not a positive, finite number; the message names which one.
     """
     return default_timeout() if timeout is None else _positive(timeout, "timeout")
 
@@ -89,10 +76,8 @@ class Backoff:
     """How :func:`wait_until` polls, in seconds since the wait began.
 
     Attributes:
-        busy_s: spin (poll without giving up the core) at most this long;
-            the spin lasts :func:`spin_budget` (adapted to recent waits).
-        yield_s: then poll with ``os.sched_yield()`` until then (or until
-            ``busy_s``, if later).
+        busy_s: spin (poll without giving up the core) at most this long: :func:`spin_budget`, adapted to recent waits.
+        yield_s: then poll with ``os.sched_yield()`` until then (or until ``busy_s``, if later).
         min_sleep_s: then sleep, starting with this many seconds ...
         max_sleep_s: ... doubling up to this.
     """
@@ -104,8 +89,8 @@ class Backoff:
 
 
 def spin_budget(backoff: Backoff) -> float:
-    """SECONDS the next wait with ``backoff`` spins before it yields: twice the median of its last
-    :data:`RECENT` waits, at least :data:`MIN_SPIN_S`, at most ``backoff.busy_s`` (all of it before any wait)."""
+    """SECONDS the next wait with ``backoff`` spins before it yields: twice the median of its last :data:`RECENT` waits,
+    at least :data:`MIN_SPIN_S`, at most ``backoff.busy_s`` (all of it before any wait)."""
     recent = _recent.get(backoff)
     if not recent:
         return backoff.busy_s
@@ -120,18 +105,13 @@ def wait_until(done: Callable[[], bool], deadline: float, on_timeout: Callable[[
     Args:
         done: the completion test; called repeatedly, must not block.
         deadline: ``time.monotonic()`` value after which the wait fails.
-        on_timeout: builds the exception raised at the deadline (e.g. a
-            :class:`~distopt.errors.CollectiveTimeoutError` naming the ranks
-            that did not arrive).
-        backoff: the polling schedule (see the module docs); the wait's
-            duration joins its recent ones.
-        check: called every ``check_every_s`` seconds while waiting; it may
-            raise to end the wait early (e.g. a peer process has exited).
+        on_timeout: builds the exception raised at the deadline (a :class:`~distopt.errors.CollectiveTimeoutError`).
+        backoff: the polling schedule (see the module docs); the wait's duration joins its recent ones.
+        check: called every ``check_every_s`` seconds while waiting; it may raise to end the wait early (a peer exited).
         check_every_s: period of ``check`` in seconds.
 
     Raises:
-        BaseException: what ``on_timeout()`` returns, at the deadline; what
-            ``check`` raises, as soon as it does.
+        BaseException: what ``on_timeout()`` returns, at the deadline; what ``check`` raises, as soon as it does.
     """
     if done():
         return

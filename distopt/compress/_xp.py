@@ -1,7 +1,6 @@
 """Array-module dispatch shared by the compression kernels (see :mod:`distopt.core._array`).
 
-CuPy is imported only when a CuPy array is passed in, so
-``import distopt.compress`` works on machines without CuPy.
+CuPy is imported only when a CuPy array is passed in, so ``import distopt.compress`` works on machines without CuPy.
 """
 from __future__ import annotations
 

@@ -12,45 +12,35 @@ from ._xp import xp
 def densify(indices: Any, values: Any, n: int, dtype: Any = None, out: Any = None) -> Any:
     """Dense vector of length ``n`` holding the sum of ``values`` at ``indices``.
 
-    The receiving side of sparse (top-k or threshold) gradient exchange
-    (Aji & Heafield 2017): the pairs gathered from all ranks are summed, so
-    values at duplicate indices ADD and positions not listed are 0.
+    The receiving side of sparse (top-k or threshold) gradient exchange (Aji & Heafield 2017): the pairs gathered from
+    all ranks are summed, so values at duplicate indices ADD and positions not listed are 0.
 
-    Order and precision: the pairs are added in the order given (rank order
-    when one part per rank is passed), in float32 (float64 when the values or
-    ``dtype`` are float64), then rounded once to ``dtype``: what a dense
-    float32 all-reduce in rank order does. NumPy and CuPy give the same bits,
-    on every rank: CuPy's scatter-add (``cupy.add.at``) uses atomics, whose
-    order is unspecified, so on CuPy each part (whose positions are distinct,
-    as top-k and threshold selections are) is added by one plain indexed add,
-    part after part; a single array with repeated positions is added in
-    passes over a stable sort by position (one host synchronisation per
-    pass, plus one).
+    Order and precision: the pairs are added in the order given (rank order when one part per rank is passed), in
+    float32 (float64 when the values or ``dtype`` are float64), then rounded once to ``dtype``: what a dense float32
+    all-reduce in rank order does. NumPy and CuPy give the same bits, on every rank: CuPy's scatter-add
+    (``cupy.add.at``) uses atomics, whose order is unspecified, so on CuPy each part (whose positions are distinct, as
+    top-k and threshold selections are) is added by one plain indexed add, part after part; a single array with
+    repeated positions is added in passes over a stable sort by position (one host synchronisation per pass, plus one).
 
     Args:
-        indices: 1-D integer array of positions in ``[0, n)``, or a sequence
-            of such arrays (one per rank, or the rows of a gathered
-            ``(ranks, k)`` array), added in order.
-        values: 1-D array of the same length as ``indices`` (or a sequence
-            of arrays matching ``indices``).
+        indices: 1-D integer array of positions in ``[0, n)``, or a sequence of such arrays (one per rank, or the rows
+            of a gathered ``(ranks, k)`` array), added in order.
+        values: 1-D array of the same length as ``indices`` (or a sequence of arrays matching ``indices``).
         n: Length of the result, in elements.
         dtype: Result dtype; defaults to the dtype of ``values``.
-        out: optional 1-D array of ``n`` elements of ``dtype`` to write the
-            result into (zeroed first). Used in place of a scratch array
-            when ``dtype`` is the accumulation dtype (float32 or float64):
-            one pass fewer and no allocation, the same result.
+        out: optional 1-D array of ``n`` elements of ``dtype`` to write the result into (zeroed first). Used in place
+            of a scratch array when ``dtype`` is the accumulation dtype (float32 or float64): no extra pass or
+            allocation, the same result.
 
     Returns:
-        1-D array of ``n`` elements of ``dtype``, on the device of ``values``
-        (``out`` when it was used).
+        1-D array of ``n`` elements of ``dtype``, on the device of ``values`` (``out`` when it was used).
 
     Raises:
-        ValueError: If lengths differ, ``indices`` is not integer, an index
-            is negative or ``>= n`` (checked on NumPy only: on CuPy the check
-            would cost a host synchronisation per call), or ``n < 0``.
+        ValueError: If lengths differ, ``indices`` is not integer, an index is negative or ``>= n`` (checked on NumPy
+            only: on CuPy the check would cost a host synchronisation per call), or ``n < 0``.
     """
     parts, split = _parts(indices, values)
-    idx0, val0 = parts[0] if parts else (np.empty(0, np.intp), np.empty(0, np.float64 if dtype is None else dtype))
+    val0 = parts[0][1] if parts else np.empty(0, np.float64 if dtype is None else dtype)
     mod = xp(val0)
     if n < 0:
         raise ValueError(f"length n must be >= 0, got {n}")
@@ -74,8 +64,7 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None, out: Any = Non
         high = max(int(idx.max()) for idx, _ in parts)
         if low < 0 or high >= n:
             raise ValueError(f"index {low if low < 0 else high} out of range for length {n}")
-    # accumulate in float32 (float64 for float64 values): what a dense float32 all-reduce does;
-    # a float64 scratch of n elements would cost more than the exchange it serves
+    # accumulate in float32 (float64 for float64 values) as a dense all-reduce does: a float64 scratch costs more
     acc = np.float64 if np.dtype(val0.dtype) == np.float64 or dtype == np.float64 else np.float32
     if out is not None and out.dtype == acc:
         dense = out
@@ -98,8 +87,8 @@ def densify(indices: Any, values: Any, n: int, dtype: Any = None, out: Any = Non
 
 
 def _parts(indices: Any, values: Any) -> tuple[list[tuple[Any, Any]], bool]:
-    """``(indices, values)`` pairs, one per part of a sequence or row of a 2-D array (and True), else the
-    one pair (and False)."""
+    """``(indices, values)`` pairs, one per part of a sequence or row of a 2-D array (and True), else the one pair (and
+    False)."""
     if isinstance(indices, Sequence) or getattr(indices, "ndim", 1) == 2:
         if len(indices) != len(values):
             raise ValueError(f"indices and values must have as many parts, got {len(indices)} and {len(values)}")
@@ -108,9 +97,9 @@ def _parts(indices: Any, values: Any) -> tuple[list[tuple[Any, Any]], bool]:
 
 
 def _add_in_passes(mod: Any, dense: Any, idx: Any, val: Any) -> None:
-    """``dense[idx] += val`` with repeated positions added in the order given, on a device without
-    atomics: a stable sort by position groups each position's values in their order; pass ``j`` adds the
-    ``j``-th value of every group (distinct positions within a pass)."""
+    """``dense[idx] += val`` with repeated positions added in the order given, on a device without atomics: a stable
+    sort by position groups each position's values in their order; pass ``j`` adds the ``j``-th value of every group
+    (distinct positions within a pass)."""
     order = mod.argsort(idx, kind="stable")
     idx, val = idx[order], val[order]
     first = mod.ones(idx.size, dtype=bool)

@@ -1,9 +1,7 @@
 """Threshold sparsification: keep every gradient entry whose magnitude reaches a threshold.
 
-Fixed-threshold sparsification as in Strom, "Scalable distributed DNN training
-using commodity GPU cloud computing" (Interspeech 2015); the same scan is the
-candidate pass of :func:`distopt.compress.topk_indices` (Deep Gradient
-Compression, Lin et al. 2018).
+Fixed-threshold sparsification as in Strom, "Scalable distributed DNN training using commodity GPU cloud computing"
+(Interspeech 2015); the same scan is the candidate pass of :func:`distopt.compress.topk_indices`.
 """
 from __future__ import annotations
 
@@ -15,11 +13,9 @@ import numpy as np
 
 from ._xp import index_dtype, is_cupy
 
-# The NumPy scan works in blocks of _CHUNK elements, so that |x| and the mask
-# of a block stay in cache, split into up to one contiguous range per CPU
-# this process may run on (os.sched_getaffinity: an MPI rank bound to one
-# core scans in its own thread only), each range at least _MIN_RANGE long.
-# NumPy releases the GIL inside the ufuncs, so the ranges run in parallel.
+# The NumPy scan works in blocks of _CHUNK elements (|x| and the mask of a block stay in cache), split into up to one
+# contiguous range per CPU this process may run on (an MPI rank bound to one core scans in its own thread only), each
+# at least _MIN_RANGE long. NumPy releases the GIL inside the ufuncs, so the ranges run in parallel.
 _CHUNK = 1 << 17
 _MIN_RANGE = 1 << 22
 
@@ -27,18 +23,15 @@ _MIN_RANGE = 1 << 22
 def threshold_indices(x: Any, thr: float) -> Any:
     """Positions of the entries of ``x`` with ``|x[i]| >= thr``, ascending.
 
-    ``thr`` is compared exactly: it is rounded up to the next value of
-    ``x.dtype``, so a float16 array with ``thr=1e-8`` does not select its zeros.
-    ``thr=0`` selects every entry except NaNs; NaN entries are never selected.
-    A threshold above every magnitude selects nothing (an empty array).
+    ``thr`` is compared exactly: it is rounded up to the next value of ``x.dtype``, so a float16 array with
+    ``thr=1e-8`` does not select its zeros. ``thr=0`` selects every entry except NaNs; NaN entries are never selected.
 
     Args:
         x: 1-D floating-point array (NumPy or CuPy) of ``n`` elements.
         thr: Magnitude threshold, ``>= 0``, in the units of ``x``.
 
     Returns:
-        Ascending element positions, int32 if ``n < 2**31`` else int64, on
-        the same device as ``x``.
+        Ascending element positions, int32 if ``n < 2**31`` else int64, on the same device as ``x``.
 
     Raises:
         ValueError: If ``x`` is not 1-D or ``thr`` is negative or NaN.
@@ -58,8 +51,7 @@ def threshold_indices(x: Any, thr: float) -> Any:
 def scan(x: np.ndarray, t: Any) -> tuple[np.ndarray, np.ndarray]:
     """Ascending int64 positions ``i`` of ``x`` (NumPy, 1-D) with ``|x[i]| >= t``, and those ``|x[i]|``.
 
-    ``t`` is a scalar of ``x.dtype``. One read of ``x`` from memory: ``|x|``
-    and the mask never exist at full size.
+    ``t`` is a scalar of ``x.dtype``. One read of ``x`` from memory: ``|x|`` and the mask never exist at full size.
     """
     n = x.size
     ranges = max(1, min(_cpus(), n // _MIN_RANGE))

@@ -30,14 +30,10 @@ def cupy_major(cupy: ModuleType) -> int:
 
 
 def any_not_finite(arrays: Iterable[Any]) -> bool:
-    """Whether some element of some array (NumPy or CuPy, floating point) is a NaN or an inf.
-
-    A NumPy array costs one sum (in float32 at least) while it is finite, and
-    the elementwise test only when the sum is not (a NaN, an inf, or a finite
-    overflow); the first bad one ends the test. CuPy arrays are tested on the
-    device, one flag each, and the flags are read with ONE host
-    synchronisation for all of them.
-    """
+    """Whether some element of some array (NumPy or CuPy, floating point) is a NaN or an inf. A NumPy array costs one
+    sum (in float32 at least) while it is finite, and the elementwise test only when the sum is not (a NaN, an inf, or a
+    finite overflow); the first bad one ends the test. CuPy arrays are tested on the device, one flag each, and the
+    flags are read with ONE host synchronisation for all of them."""
     device = []
     for array in arrays:
         if not array.size:

@@ -1,14 +1,8 @@
-"""Fast casts of NumPy arrays to and from 16-bit floats, through PyTorch's kernels when installed.
-
-NumPy converts float32 to float16 with scalar code, about 40x slower than
-PyTorch's vectorised kernels on a CPU; both round to nearest even, so the
-results are bitwise the same (the tests compare them). The sum of two
-16-bit rows runs in one PyTorch kernel (float32 inside, rounded once on the
-store). Used by the
-half-precision wire format and by the MPI backend's float16/bfloat16 sum.
-PyTorch is imported only for arrays of at least 65,536 elements or when it
-is already imported.
-"""
+"""Fast casts of NumPy arrays to and from 16-bit floats, through PyTorch's kernels when installed. NumPy converts
+float32 to float16 with scalar code, about 40x slower than PyTorch's vectorised kernels on a CPU; both round to nearest
+even, so the results are bitwise the same (the tests compare them). Used by the half-precision wire format and by the
+MPI backend's float16/bfloat16 sum. PyTorch is imported only for arrays of at least 65,536 elements or when it is
+already imported."""
 from __future__ import annotations
 
 import importlib.util
@@ -52,14 +46,12 @@ def cast_into(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 def sum_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[...] = rows.sum(axis=0)`` for 16-bit float rows: added in float32, rounded once; returns ``out``.
 
+    Rows are added in order in float32 (IEEE signed zeros kept), then rounded; two rows by one PyTorch kernel (each
+    pair widened, added, rounded), more through a float32 accumulator; NumPy does the same where PyTorch is missing.
+
     Args:
         rows: shape ``(n_rows, m)``, float16 or bfloat16, C-contiguous.
         out: shape ``(m,)``, the same dtype (may not overlap ``rows``).
-
-    Rows are added in order in float32 (IEEE signed zeros kept), then
-    rounded; two rows by one PyTorch kernel (each pair widened, added,
-    rounded), more through a float32 accumulator; NumPy does the same
-    where PyTorch is missing.
     """
     if rows.shape[0] == 0:
         out[...] = 0

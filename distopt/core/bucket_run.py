@@ -1,10 +1,6 @@
-"""One bucket of one step, as an object: what the bucket pipeline and the step's sync work on.
-
-The layout (:class:`~distopt.core.buckets.Bucket`) says which parameters a
-bucket packs; a :class:`BucketRun` is that bucket during one step: its flat
-buffer, its reduction in flight, a sharded step's segment, and where it is
-(:class:`RunState`).
-"""
+"""One bucket of one step, as an object: what the bucket pipeline and the step's sync work on. The layout
+(:class:`~distopt.core.buckets.Bucket`) says which parameters a bucket packs; a :class:`BucketRun` is that bucket during
+one step: its flat buffer, its reduction in flight, a sharded step's segment, and where it is (:class:`RunState`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +19,8 @@ class RunState(Enum):
     STARTED = "started"  # its reduction is in flight
     HELD = "held"  # the step's sync holds its result; its flat buffer is dropped
     LANDED = "landed"  # finished: its result is where the sync puts it
+    GATHERING = "gathering"  # after a sharded update: its parameters' all-gather is in flight (flat, handle)
+    GATHERED = "gathered"  # the all-gather completed: the parameters are whole
 
 
 @dataclass
@@ -33,13 +31,13 @@ class BucketRun:
         index: the bucket's position in the layout.
         bucket: its :class:`~distopt.core.buckets.Bucket` (the slots it packs).
         missing: gradients not packed yet.
-        flat: its flat buffer (a packing buffer, a bucket view, or a lone gradient itself); None before
-            the first gradient and once dropped.
+        flat: its flat buffer (a packing buffer, a bucket view, or a lone gradient itself); None before the first
+            gradient and once dropped.
         viewed: ``flat`` is gradient memory (a bucket view, or a lone contiguous gradient).
-        handle: the started reduction (a :class:`~distopt.comm.launcher.Handle`), or what the sync keeps
-            in its place.
-        segment: a sharded step's result: this rank's averaged segment (1-D, ``plan.counts[index][rank]``
-            ELEMENTS), once landed; None otherwise.
+        handle: the started reduction (a :class:`~distopt.comm.launcher.Handle`), or what the sync keeps in its place;
+            while :attr:`RunState.GATHERING`, the parameters' all-gather.
+        segment: a sharded step's result: this rank's averaged segment (1-D, ``plan.counts[index][rank]`` ELEMENTS),
+            once landed; None otherwise.
         state: a :class:`RunState`.
     """
 

@@ -1,12 +1,9 @@
 """Bucket layout: which gradients are fused into which flat buffer (pure).
 
-A bucket holds parameters of one dtype, packed back to back in the fixed
-parameter order that every rank shares. A parameter with more than
-``min(threshold, buff_size)`` elements is a bucket of its own (it is reduced
-without a copy when its gradient is contiguous); smaller ones are fused into
-buckets of at most ``buff_size`` elements, as SINGA's DistOpt does with its
-``threshold`` and ``buffSize`` (both in ELEMENTS, not bytes).
-"""
+A bucket holds parameters of one dtype, packed back to back in the fixed parameter order that every rank shares. A
+parameter with more than ``min(threshold, buff_size)`` elements is a bucket of its own (reduced without a copy when its
+gradient is contiguous); smaller ones are fused into buckets of at most ``buff_size`` elements, as SINGA's DistOpt does
+with its ``threshold`` and ``buffSize`` (both in ELEMENTS, not bytes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +20,8 @@ DEFAULT_THRESHOLD = 2097152
 """Default ``threshold`` in ELEMENTS: larger parameters are reduced alone (SINGA's default)."""
 
 VIEW_THRESHOLD = 65536
-"""Default ``threshold`` in ELEMENTS of the strategies whose result does not depend on the layout
-(plain, half): a parameter above 256 KiB of float32 is reduced in place, with no copy into a bucket."""
+"""Default ``threshold`` in ELEMENTS of the strategies whose result does not depend on the layout (plain, half): a
+parameter above 256 KiB of float32 is reduced in place, with no copy into a bucket."""
 
 
 @dataclass(frozen=True)
@@ -64,19 +61,16 @@ def plan_buckets(specs: Sequence[tuple[tuple[int, ...], np.dtype]], threshold: i
 
     Args:
         specs: ``(shape, dtype)`` per parameter, in the shared order.
-        threshold: parameters with more than this many elements are reduced
-            alone (elements, >= 0).
-        buff_size: capacity of a fused buffer in elements (>= 1); a parameter
-            larger than it is always alone, never overflowing the buffer.
-        reverse: walk the parameters last to first (the order backward
-            produces gradients), so the first bucket holds the last layers.
-        first_bucket: capacity in elements of the first fused bucket of each
-            dtype (PyTorch DDP starts with 1 MiB so the first reduction
-            starts early); None means ``buff_size``.
+        threshold: parameters with more than this many elements are reduced alone (elements, >= 0).
+        buff_size: capacity of a fused buffer in elements (>= 1); a parameter larger than it is always alone.
+        reverse: walk the parameters last to first (the order backward produces gradients), so the first bucket holds
+            the last layers.
+        first_bucket: capacity in elements of the first fused bucket of each dtype (PyTorch DDP starts with 1 MiB so
+            the first reduction starts early); None means ``buff_size``.
 
     Returns:
-        Buckets in the order they are reduced (by their first parameter in
-        the walk). Zero-size parameters get a slot of size 0.
+        Buckets in the order they are reduced (by their first parameter in the walk). Zero-size parameters get a slot
+        of size 0.
 
     Raises:
         ValueError: ``threshold < 0``, ``buff_size < 1`` or ``first_bucket < 1``.
@@ -129,11 +123,9 @@ def is_float(array: Any) -> bool:
 def pack(bucket: Bucket, arrays: Sequence[Any], buffer: Any = None) -> tuple[Any, bool]:
     """The bucket's flat buffer: ``(flat, viewed)``.
 
-    A lone C-contiguous array is returned as a flat view (``viewed=True``:
-    the collective then works on the array itself, no copy). Otherwise the
-    arrays are copied into ``buffer`` (a 1-D array of ``bucket.size``
-    elements of ``bucket.dtype``; None allocates one like the first array),
-    a None entry packed as zeros.
+    A lone C-contiguous array is returned as a flat view (``viewed=True``: the collective then works on the array
+    itself, no copy). Otherwise the arrays are copied into ``buffer`` (a 1-D array of ``bucket.size`` elements of
+    ``bucket.dtype``; None allocates one like the first array), a None entry packed as zeros.
 
     Raises:
         ValueError: ``buffer`` does not have ``bucket.size`` elements.
@@ -158,11 +150,8 @@ def put(flat: Any, slot: Slot, array: Any) -> None:
 
 
 def unpack(bucket: Bucket, flat: Any, arrays: list[Any], divisor: int = 1) -> None:
-    """Write a bucket's flat buffer, divided by ``divisor``, back into ``arrays`` (by slot index).
-
-    A None entry gets a new array. Dividing here saves a separate pass over
-    the bucket; the result equals dividing the buffer first.
-    """
+    """Write a bucket's flat buffer, divided by ``divisor``, back into ``arrays`` (by slot index). A None entry gets a
+    new array. Dividing here saves a separate pass over the bucket; the result equals dividing the buffer first."""
     for s in bucket.slots:
         part = flat[s.offset:s.offset + s.size].reshape(s.shape)
         target = arrays[s.index]

@@ -11,49 +11,38 @@ __all__ = ["Counters"]
 class Counters(Mapping):
     """What this rank's steps did, cumulative since construction (or the last restore).
 
-    Read as attributes or as a read-only mapping (``stats["wire_bytes"]``,
-    ``dict(stats)``). The mapping holds the attributes below, then every
-    count a strategy reported with :meth:`add` (for example the sparse
-    strategies' ``sparse_entries``, entries this rank selected, and
-    ``sparse_dense_fallbacks``, buckets that travelled densely because that
-    moved fewer bytes), in the order first reported. A new strategy names
-    its counts in ``Strategy.counter_names`` and reports them; this module
-    does not change.
+    Read as attributes or as a read-only mapping (``stats["wire_bytes"]``, ``dict(stats)``). The mapping holds the
+    attributes below, then every count a strategy reported with :meth:`add` (for example the sparse strategies'
+    ``sparse_entries``, entries this rank selected, and ``sparse_dense_fallbacks``, buckets that travelled densely
+    because that moved fewer bytes), in the order first reported. A new strategy names its counts in
+    ``Strategy.counter_names`` and reports them; this module does not change.
 
     Attributes:
         steps: averaged steps applied (skipped ones not included).
-        wire_bytes: BYTES this rank handed to the collectives for gradient
-            (or partial parameter) exchange.
-        dense_bytes: bytes a dense all-reduce of the same gradients would
-            have handed over.
-        buckets_started_in_backward: reductions started before backward
-            returned (overlap).
+        wire_bytes: BYTES this rank handed to the collectives for gradient (or partial parameter) exchange.
+        dense_bytes: bytes a dense all-reduce of the same gradients would have handed over.
+        buckets_started_in_backward: reductions started before backward returned (overlap).
         skipped_steps: steps skipped on every rank by ``check_finite``.
-        wait_seconds: SECONDS this process spent inside the communicator's
-            blocking calls and waits (data movement included).
-        host_syncs: times the host waited on the device (NCCL without a
-            host control communicator; 0 on CPU backends).
-        control_collectives: the engine's own small collectives (the step
-            header; the gradient flags when the header could not settle a
-            step; the ``check_finite`` vote; a sharded step's vote on its
-            reduced segments being finite), not the buckets' reductions.
-        gather_bytes: BYTES of parameters all-gathered after sharded
-            updates (``zero=1|2``), or before the forward and backward
-            passes that use them (``zero=3``); the buckets' sizes, as
-            ``wire_bytes`` counts a reduce-scatter's input.
-        optimizer_state_bytes: BYTES of this rank's optimizer state after the
-            last step (-1 where the local optimizer cannot tell).
-        gradient_bytes: BYTES of gradient memory after the last step: what
-            distopt holds (bucket buffers, reduced segments) plus the
-            ``.grad`` tensors of a PyTorch optimizer's parameters.
-        parameter_bytes: BYTES of parameter memory a PyTorch optimizer's
-            parameters hold at rest after the last step (at ``zero=3``:
-            this rank's segments and the parameters left whole; -1 for an
-            array optimizer, whose arrays are the caller's).
-        gathered_bytes_peak: BYTES, at most, of full parameters gathered
-            at one time since the previous step (``zero=3``; 0 otherwise).
-        gathered_bytes: BYTES of full parameters gathered (or being gathered) now
+        wait_seconds: SECONDS this process spent inside the communicator's blocking calls and waits (data movement
+            included).
+        host_syncs: times the host waited on the device (NCCL without a host control communicator; 0 on CPU
+            backends).
+        control_collectives: the engine's own small collectives (the step header; the gradient flags when the header
+            could not settle a step; the ``check_finite`` vote; a sharded step's vote on its reduced segments being
+            finite), not the buckets' reductions.
+        gather_bytes: BYTES of parameters all-gathered after sharded updates (``zero=1|2``), or before the forward
+            and backward passes that use them (``zero=3``); the buckets' sizes, as ``wire_bytes`` counts a
+            reduce-scatter's input.
+        optimizer_state_bytes: BYTES of this rank's optimizer state after the last step (-1 where the local optimizer
+            cannot tell).
+        gradient_bytes: BYTES of gradient memory after the last step: what distopt holds (bucket buffers, reduced
+            segments) plus the ``.grad`` tensors of a PyTorch optimizer's parameters.
+        parameter_bytes: BYTES of parameter memory a PyTorch optimizer's parameters hold at rest after the last step
+            (at ``zero=3``: this rank's segments and the parameters left whole; -1 for an array optimizer, whose
+            arrays are the caller's).
+        gathered_bytes_peak: BYTES, at most, of full parameters gathered at one time since the previous step
             (``zero=3``; 0 otherwise).
+        gathered_bytes: BYTES of full parameters gathered (or being gathered) now (``zero=3``; 0 otherwise).
     """
 
     steps: int = 0

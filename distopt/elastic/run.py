@@ -5,21 +5,23 @@ Membership belongs to torch's elastic agent (``torchrun --nnodes MIN:MAX
 rendezvous, the agents stop every worker, form a new world of the nodes alive,
 and start the workers again. ``run`` makes that restart a rollback to the last
 commit instead of a restart from scratch: at start every rank reports the
-newest commit on its node, the newest one wins, a rank whose node lacks it
-(a node that just joined) receives it by broadcast from the lowest rank that
-holds it, and every rank loads it into its ``State``; the DistOpt built in the
-new world takes the consolidated optimizer state at the new world size, so
-ZeRO shards are re-cut, and the sampler splits the rest of the epoch among the
-new ranks. Only the steps since the last commit are lost.
+commit parts on its node, the newest commit whose every part is held somewhere
+wins, each part a rank's node lacks (a node that just joined) is broadcast from
+the lowest rank that holds it, one part at a time, and every rank loads the
+commit into its ``State``: the DistOpt built in the new world re-shards ZeRO
+state from the old world's shards without any rank holding it whole, and the
+sampler splits the rest of the epoch among the new ranks. Only the steps since
+the last commit are lost.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ..errors import DistOptError
@@ -92,27 +94,87 @@ def _optimizer(state: State) -> Any:
     return opt
 
 
-def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> int | None:
-    """Agree on the newest commit of the world and load it; its sequence number, or None for a fresh start.
+def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> tuple[int | None, list[Any]]:
+    """Agree on the world's newest complete commit and load it; its sequence number (None for a fresh start)
+    and each rank's node (its host and commit directory).
 
-    A rank whose node lacks that commit receives it by broadcast from the lowest rank that holds it; the
-    node's writer (``writer``: local rank 0) then stores it, so that every node of the new world holds the
-    commit it resumed from, even if the nodes that sent it are lost before the next commit."""
-    newest = snapshots.newest()
-    seqs = opt.all_gather_object(-1 if newest is None else newest[0])
-    best = max(seqs)
-    if best < 0:
-        return None
-    if all(s == best for s in seqs):
-        payload = newest[1].read_bytes()
-    else:
-        holder = seqs.index(best)
-        mine = newest[1].read_bytes() if opt.global_rank == holder else None
-        payload = opt.broadcast_object(mine, root=holder)
-        if writer and seqs[opt.global_rank] < best:
-            snapshots.write(best, opt.global_rank, payload)
-    state._load(payload)
-    return best
+    Each part is read from this node's file where every rank has one, else broadcast from the lowest rank
+    that holds it, one part at a time. The node's writer stores the parts its node lacked, so that every
+    node of the new world holds the commit it resumed from, even if the nodes that sent them are lost before
+    the next commit."""
+    held = snapshots.held()
+    me = (socket.gethostname(), str(snapshots.run.resolve()))
+    everyone = opt.all_gather_object((me, {k: sorted(v) for k, v in held.items()}))
+    nodes = [node for node, _ in everyone]
+    holders: dict[tuple[int, int], dict[int, int]] = {}
+    for rank, (_, listing) in enumerate(everyone):
+        for key, parts in listing.items():
+            for k in parts:
+                holders.setdefault(key, {}).setdefault(k, rank)
+    complete = [key for key, got in holders.items() if sorted(got) == list(range(key[1]))]
+    if not complete:
+        return None, nodes
+    seq, parts = max(complete)
+    local = held.get((seq, parts), {})
+    stores = writer if parts == 1 else nodes.index(me) == opt.global_rank
+    stored: set[int] = set()
+
+    def read() -> Iterator[bytes]:
+        for k in range(parts):
+            if all(k in listing.get((seq, parts), ()) for _, listing in everyone):
+                yield local[k].read_bytes()
+                continue
+            root = holders[(seq, parts)][k]
+            raw = opt.broadcast_object(local[k].read_bytes() if opt.global_rank == root else None, root=root)
+            if stores and k not in local and k not in stored:
+                snapshots.write(seq, k, parts, raw)
+                stored.add(k)
+            yield raw
+
+    state.load(seq, 0, parts, read)
+    return seq, nodes
+
+
+def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: list[Any],
+           after_commit: Callable[[], None] | None) -> Callable[[int, bytes], None]:
+    """What stores each commit (collective): with one part, every agent's writer stores it; with one part per
+    rank, each rank stores its own and, where the job spans several nodes, every part is broadcast and each
+    node's writer (its lowest rank) stores the parts of the other nodes' ranks, so any one node can restore
+    the world. Then every rank reports its error, if any (raised on every rank), and the writers remove
+    what is older."""
+    rank = opt.global_rank
+    node_writer = nodes.index(nodes[rank]) == rank
+    several = len(set(nodes)) > 1
+
+    def store(seq: int, part: bytes) -> None:
+        parts = state.parts()
+        errors: list[str] = []
+
+        def write(k: int, raw: bytes) -> None:
+            try:
+                snapshots.write(seq, k, parts, raw)
+            except OSError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        if parts == 1 and writer:
+            write(0, part)
+        elif parts > 1 and not several:
+            write(rank, part)
+        elif parts > 1:  # part k travels to every node, where its writer stores it after the broadcast
+            for k in range(parts):
+                raw = opt.broadcast_object(part if k == rank else None, root=k)
+                if k == rank or (node_writer and nodes[k] != nodes[rank]):
+                    write(k, raw)
+        failed = [(r, e) for r, e in enumerate(opt.all_gather_object(errors[:1])) if e]
+        if failed:
+            raise OSError(f"distopt.elastic: commit {seq} could not be stored: " +
+                          "; ".join(f"on rank {r}: {e[0]}" for r, e in failed))
+        if writer:
+            snapshots.prune(seq)
+        if after_commit is not None:
+            after_commit()
+
+    return store
 
 
 def _lost_world(exc: BaseException, rank: int, world: int, snapshots: SnapshotDir, run_id: str,
@@ -123,7 +185,7 @@ def _lost_world(exc: BaseException, rank: int, world: int, snapshots: SnapshotDi
     newest = snapshots.newest()
     flag = "--rdzv-id" if torchrun else "--run-id"
     kept = ("nothing is committed on this node yet" if newest is None else
-            f"commit {newest[0]} stays in {snapshots.run} on this node, and a job relaunched with {flag} "
+            f"commit {newest} stays in {snapshots.run} on this node, and a job relaunched with {flag} "
             f"{run_id} resumes from it")
     below = (". If fewer nodes than torchrun's --nnodes MIN are left, torchrun's agent stops instead, with "
              "RendezvousTimeoutError, after its rendezvous join_timeout (600 s unless --rdzv-conf "
@@ -179,7 +241,6 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
         opt = _optimizer(state)
         snapshots = SnapshotDir(run_id, commit_dir)
         writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        state._attach(snapshots if writer else None, opt.global_rank, grow_check(opt, os.environ))
         began = time.time()
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ
 
@@ -193,7 +254,8 @@ def run(fn: Callable[..., T] | None = None, *, commit_dir: str | os.PathLike = "
         if heartbeat is not None:
             heartbeat.start()
         try:
-            seq = _restore(state, opt, snapshots, writer)
+            seq, nodes = _restore(state, opt, snapshots, writer)
+            state._attach(_store(state, opt, snapshots, writer, nodes, grow_check(opt, os.environ)))
             if heartbeat is not None:  # every rank started its heartbeat before the restore's all-gather
                 heartbeat.arm()
             for obj in state._objects.values():

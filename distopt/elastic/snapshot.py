@@ -1,24 +1,18 @@
-"""Commits that outlive a worker process: one file per commit in the node's shared memory (``/dev/shm``).
+"""Commits that outlive a worker process: files in the node's shared memory (``/dev/shm``).
 
-torchrun's agent restarts every worker when the world changes, so a commit held
-only in a worker's memory would die with it. Each commit is therefore also
-written, atomically (:func:`distopt.checkpoint.write_atomically`: a temporary name, then
-``os.replace``), to
-``/dev/shm/distopt-elastic-<run id>/commit-<seq>.rank<rank>.pt``: memory, not
-disk, and gone when the machine is. A reader never sees a partial commit: the
-file appears complete under its final name, or not at all.
+torchrun's agent restarts every worker when the world changes, so a commit held only in a worker's memory
+would die with it. Each part of a commit (:class:`~distopt.elastic.State`: one part, or one per rank with a
+sharded optimizer) is therefore written, atomically (:func:`distopt.checkpoint.write_atomically`), to
+``/dev/shm/distopt-elastic-<run id>/agent-<agent pid>/commit-<seq>.part<k>of<n>.pt``: memory, not disk, and
+gone when the machine is. A reader never sees a partial file, and a restore takes only a commit whose every
+part is held somewhere.
 
-Several torchrun agents may share one host (as every test and first try
-does), so each agent's commits live in a directory of its own,
-``distopt-elastic-<run id>/agent-<agent pid>/`` (the agent outlives the
-workers it restarts; torch's rendezvous names a node by its host and pid as
-well). One process writes in it (the agent's local rank 0), so after a write
-everything else there is stale and removed: the older commits, of any rank
-(a rank may change when the world re-forms), and the temporary file a writer
-killed mid-write left; another agent's files are never touched. The newest
-commit is looked for in every agent's directory of the run on this host, so
-a job relaunched with the same run id resumes from what any agent left. An
-agent keeps one commit (two for a moment).
+Several torchrun agents may share one host (as every test and first try does), so each agent's commits live
+in a directory of its own (the agent outlives the workers it restarts). Once every rank has stored a commit,
+the agent's local rank 0 removes what is older there (older commits, and the temporary files of writers
+killed mid-write); another agent's files are never touched. Commits are looked for in every agent's
+directory of the run on this host, so a job relaunched with the same run id resumes from what any agent
+left. An agent keeps one commit (two for a moment).
 """
 from __future__ import annotations
 
@@ -31,7 +25,7 @@ from ..checkpoint import TMP_SUFFIX, write_atomically
 
 __all__ = ["SnapshotDir"]
 
-_NAME = re.compile(r"commit-(\d+)\.rank(\d+)\.pt")
+_NAME = re.compile(r"commit-(\d+)\.part(\d+)of(\d+)\.pt")
 
 
 class SnapshotDir:
@@ -53,38 +47,42 @@ class SnapshotDir:
         self.run = Path(root) / f"distopt-elastic-{run_id}"
         self.path = self.run / f"agent-{os.getppid() if agent is None else int(agent)}"
 
-    def write(self, seq: int, rank: int, payload: bytes) -> Path:
-        """Store commit ``seq`` of ``rank`` (``payload``: the serialised commit, bytes), atomically, then remove
-        the directory's older commits (of any rank) and any other temporary file (a writer killed mid-write
-        left it). Returns the file's path.
+    def write(self, seq: int, part: int, parts: int, payload: bytes) -> Path:
+        """Store part ``part`` of ``parts`` of commit ``seq`` (``payload``: its bytes), atomically; returns
+        the file's path.
 
         Raises:
             OSError: the directory or the file cannot be written (e.g. ``/dev/shm`` is full).
         """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        final = self.path / f"commit-{seq}.rank{rank}.pt"
+        final = self.path / f"commit-{seq}.part{part}of{parts}.pt"
         write_atomically(final, lambda f: f.write(payload))
-        for other in self.path.iterdir():  # one writer here: any other temporary file is a killed write's
+        return final
+
+    def prune(self, seq: int) -> None:
+        """Remove this agent's commits older than ``seq`` and every temporary file here (call it once no
+        write is in progress: after every rank stored commit ``seq``)."""
+        for other in (self.path.iterdir() if self.path.is_dir() else ()):
             done = _NAME.fullmatch(other.name)
             if (int(done.group(1)) < seq) if done else other.name.endswith(TMP_SUFFIX):
                 other.unlink(missing_ok=True)
-        return final
 
-    def newest(self) -> tuple[int, Path] | None:
-        """``(seq, path)`` of the newest commit on this host (of any rank and agent of the run), or None."""
-        found = [(s, p) for p, (s, _) in self._files()]
-        return max(found) if found else None
+    def held(self) -> dict[tuple[int, int], dict[int, Path]]:
+        """The commit parts on this host (any agent of the run): ``{(seq, parts): {part: path}}``."""
+        out: dict[tuple[int, int], dict[int, Path]] = {}
+        for folder in (self.run.iterdir() if self.run.is_dir() else ()):
+            for p in (folder.iterdir() if folder.is_dir() else ()):
+                m = _NAME.fullmatch(p.name)
+                if m:
+                    out.setdefault((int(m.group(1)), int(m.group(3))), {})[int(m.group(2))] = p
+        return out
+
+    def newest(self) -> int | None:
+        """The newest commit with a part on this host, or None."""
+        held = self.held()
+        return max(seq for seq, _ in held) if held else None
 
     def remove(self) -> None:
         """Delete the run's directory, every agent's (at the end of a successful run, when no rank commits
         or reads any more)."""
         shutil.rmtree(self.run, ignore_errors=True)
-
-    def _files(self) -> list[tuple[Path, tuple[int, int]]]:
-        out = []
-        for folder in (self.run.iterdir() if self.run.is_dir() else ()):
-            for p in (folder.iterdir() if folder.is_dir() else ()):
-                m = _NAME.fullmatch(p.name)
-                if m:
-                    out.append((p, (int(m.group(1)), int(m.group(2)))))
-        return out

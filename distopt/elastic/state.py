@@ -1,37 +1,64 @@
-"""What an elastic job commits and restores: the model, the optimizer (ZeRO shards consolidated), the sampler,
-and the script's own values (after Horovod Elastic's ``TorchState``)."""
+"""What an elastic job commits and restores: the model, the optimizer, the sampler and the script's own values
+(after Horovod Elastic's ``TorchState``), in the checkpoint format of :mod:`distopt.checkpoint`.
+
+A commit is made of parts. Without a sharded optimizer it is one part, the same on every rank. With one
+(``DistOpt(torch_optimizer, zero=1|2|3)``) it has one part per rank: rank r's part holds its shard of every
+sharded optimizer's state and of the parameters those train (``state_dict(sharded=True, params=True)``),
+and part 0 also holds the rest (other objects, the model's buffers and untrained parameters, plain values).
+No rank ever serialises, holds or loads the whole sharded state: a restore streams the parts one at a time
+(:class:`~distopt.sharding.shard_state.ShardStream`), each rank keeping its new pieces.
+"""
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .snapshot import SnapshotDir
+from ..checkpoint import dumps, loads
 
 __all__ = ["State"]
+
+#: Version of a commit part's layout.
+COMMIT_FORMAT = 1
 
 
 def _stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+def _sharded(value: Any) -> bool:
+    return bool(getattr(value, "state_sharded", False))
+
+
+def _module_entries(module: Any, skip: set[int]) -> dict[str, Any]:
+    """A module's parameters and persistent buffers by ``state_dict`` name, but for those in ``skip`` (ids):
+    read without ``module.state_dict()`` (which gathers a ``zero=3`` model)."""
+    out = {name: p for name, p in module.named_parameters() if id(p) not in skip}
+    for prefix, sub in module.named_modules():
+        for name, b in sub.named_buffers(prefix=prefix, recurse=False):
+            if b is not None and name.rsplit(".", 1)[-1] not in sub._non_persistent_buffers_set:
+                out[name] = b
+    return out
+
+
 class State:
     """The training state that :func:`distopt.elastic.run` rolls back to after the world changes.
 
-    ``commit()`` serialises every object's ``state_dict()`` (``torch.save`` into memory: a copy, not a view of
-    the live tensors) and the plain values, keeps it, and, under :func:`~distopt.elastic.run`, writes it to the
-    node's shared memory (:class:`~distopt.elastic.snapshot.SnapshotDir`) so that the worker torchrun restarts
-    finds it. ``restore()`` loads the last commit back into the same objects.
+    ``commit()`` serialises every object's state (a copy, not a view of the live tensors) and the plain
+    values, keeps this rank's part, and, under :func:`~distopt.elastic.run`, writes the parts to each node's
+    shared memory (:class:`~distopt.elastic.snapshot.SnapshotDir`) so that the worker torchrun restarts finds
+    them. ``restore()`` loads the last commit back into the same objects.
 
     Args:
-        model: a ``torch.nn.Module`` (its ``state_dict``: parameters and buffers; full tensors at ``zero=3``).
-        optimizer: the :class:`distopt.DistOpt` of the job. Its ``state_dict()`` is consolidated across the
-            ranks (a collective at ``zero=1|2|3``), so every rank must call :meth:`commit` at the same step;
-            it loads at any world size, which re-shards ZeRO state for the new world.
+        model: a ``torch.nn.Module`` (its parameters and persistent buffers; those a sharded optimizer trains
+            are committed as shards, never gathered).
+        optimizer: the :class:`distopt.DistOpt` of the job. At ``zero=1|2|3`` each rank commits its shard of the
+            state (a collective under :func:`~distopt.elastic.run`: every rank commits at the same step); a
+            restore at another world size re-shards it.
         sampler: an :class:`~distopt.elastic.ElasticSampler` (its global position).
-        **values: more objects with ``state_dict``/``load_state_dict`` (a second model, a scheduler, a
-            GradScaler), or plain picklable values (``epoch=0``) read and written as attributes
-            (``state.epoch += 1``). Values must be the same on every rank.
+        **values: more objects with ``state_dict``/``load_state_dict`` (a second model or DistOpt, a
+            scheduler, a GradScaler), or plain values (``epoch=0``: numbers, strings, tensors, plain
+            containers) read and written as attributes (``state.epoch += 1``). Values must be the same on
+            every rank.
 
     Raises:
         ValueError: a value named like a method of this class.
@@ -50,9 +77,7 @@ class State:
         object.__setattr__(self, "_values", plain)
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "_committed", None)
-        object.__setattr__(self, "_snapshots", None)
-        object.__setattr__(self, "_rank", 0)
-        object.__setattr__(self, "_after_commit", None)
+        object.__setattr__(self, "_store", None)
         object.__setattr__(self, "commits", 0)
 
     def __getattr__(self, name: str) -> Any:
@@ -74,60 +99,118 @@ class State:
         world, in order: e.g. a learning rate that follows the world size."""
         self._callbacks.extend(callbacks)
 
+    def sharded(self) -> dict[str, Any]:
+        """The objects whose state is sharded across the ranks (DistOpts at ``zero=1|2|3``), by name."""
+        return {k: v for k, v in self._objects.items() if _sharded(v)}
+
     def commit(self) -> None:
-        """Snapshot the state now; collective (every rank at the same step). Under :func:`~distopt.elastic.run`
-        the commit is also written to this node's shared memory (by local rank 0 of each node; each file holds
-        the whole state, so one node's survivor can restore the world). Its cost is one ``state_dict()`` per
-        object, one serialisation and one write to tmpfs: ``benchmarks/elastic.py`` prints it."""
-        payload = self._serialise(self.commits + 1)
-        object.__setattr__(self, "commits", self.commits + 1)
-        object.__setattr__(self, "_committed", payload)
-        if self._snapshots is not None:
-            self._snapshots.write(self.commits, self._rank, payload)
-        if self._after_commit is not None:
-            self._after_commit()
+        """Snapshot the state now. Under :func:`~distopt.elastic.run` the commit is also written to every
+        node's shared memory (collective: every rank commits at the same step). Its cost: each sharded
+        optimizer's shard and each other object's ``state_dict()``, serialised once, and the writes to tmpfs
+        (``benchmarks/elastic.py`` prints it)."""
+        seq = self.commits + 1
+        part = self._part(seq)
+        object.__setattr__(self, "commits", seq)
+        object.__setattr__(self, "_committed", part)
+        if self._store is not None:
+            self._store(seq, part)
 
     def restore(self) -> None:
-        """Load the last commit back (the objects in place, the values replaced).
+        """Load the last commit back (the objects in place, the values replaced), at the same world size.
 
         Raises:
             RuntimeError: nothing was committed yet.
         """
         if self._committed is None:
             raise RuntimeError("distopt.elastic.State.restore: nothing was committed yet (call state.commit())")
-        self._load(self._committed)
+        part = self._committed
+        self.load(self.commits, self._rank(), self._world(), lambda: iter([part]), own=True)
 
-    def _serialise(self, seq: int) -> bytes:
-        import torch
+    def _rank(self) -> int:
+        opts = self.sharded()
+        return next(iter(opts.values())).global_rank if opts else 0
 
-        record = {"seq": seq, "objects": {k: v.state_dict() for k, v in self._objects.items()},
-                  "values": dict(self._values)}
-        buf = io.BytesIO()
-        torch.save(record, buf)
-        return buf.getvalue()
+    def _world(self) -> int:
+        opts = self.sharded()
+        return next(iter(opts.values())).world_size if opts else 1
 
-    def _load(self, payload: bytes) -> None:
-        import torch
+    def parts(self) -> int:
+        """How many parts a commit of this state has: the world size with a sharded optimizer, else 1."""
+        return self._world()
 
-        record = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
-        missing = sorted(set(self._objects) - set(record["objects"]))
+    def _part(self, seq: int) -> bytes:
+        """This rank's part of commit ``seq``: its shards, and everything that is not sharded."""
+        sharded = self.sharded()
+        skip = {id(p) for opt in sharded.values() for g in opt.param_groups for p in g["params"]}
+        return dumps({"format": COMMIT_FORMAT, "seq": seq, "part": self._rank(), "parts": self._world(),
+                      "sharded": {k: v.state_dict(sharded=True, params=True) for k, v in sharded.items()},
+                      "objects": {k: {n: t.detach() for n, t in _module_entries(v, skip).items()}
+                                  if hasattr(v, "named_parameters") else v.state_dict()
+                                  for k, v in self._objects.items() if k not in sharded},
+                      "values": dict(self._values)}, "distopt.elastic.State")
+
+    def load(self, seq: int, part: int, parts: int, read: Callable[[], Iterator[bytes]], own: bool = False) -> None:
+        """Load commit ``seq``, re-sharding sharded optimizers for this world.
+
+        Args:
+            seq: the commit's number.
+            part: with ``own``, the one part ``read`` yields (this rank's own, at the same world size).
+            parts: the number of parts of the commit.
+            read: yields the parts' bytes in order, one at a time; each call is a new pass (collective when
+                the reads are: every rank makes the same calls).
+            own: ``read`` yields only this rank's own part (:meth:`restore`).
+
+        Raises:
+            ValueError: a part of another commit or layout, or a commit that holds no state for an object
+                of this state.
+        """
+        from ..sharding.shard_state import ShardStream
+
+        first: list[dict[str, Any]] = []
+
+        def records() -> Iterator[dict[str, Any]]:
+            for k, raw in enumerate(read()):
+                record = loads(raw, f"commit {seq} part {part if own else k}")
+                expected = (COMMIT_FORMAT, seq, part if own else k, parts)
+                if (record.get("format"), record.get("seq"), record.get("part"), record.get("parts")) != expected:
+                    raise ValueError(f"distopt.elastic: a part of commit {seq} is (format, seq, part, parts) "
+                                     f"{tuple(record.get(x) for x in ('format', 'seq', 'part', 'parts'))}, "
+                                     f"expected {expected}")
+                if not first:
+                    first.append(record)
+                yield record
+
+        sharded = self.sharded()
+        for name, opt in sharded.items():
+            stream = (r["sharded"][name] for r in records())
+            opt.load_state_dict(next(stream) if own else ShardStream(
+                [{"world_size": parts, "rank": k} for k in range(parts)], stream))
+        rest = first[0] if first else next(records())
+        missing = sorted(set(self._objects) - set(sharded) - set(rest["objects"]))
         if missing:
             raise ValueError(f"distopt.elastic.State: the commit holds no state for {missing}; it was taken of "
-                             f"{sorted(record['objects'])}")
+                             f"{sorted(rest['objects'])}")
         for name, obj in self._objects.items():
-            obj.load_state_dict(record["objects"][name])
-        self._values.update(record["values"])
-        object.__setattr__(self, "commits", int(record["seq"]))
-        object.__setattr__(self, "_committed", payload)
+            if name in sharded:
+                continue
+            saved = rest["objects"][name]
+            if hasattr(obj, "named_parameters"):
+                import torch
 
-    def _attach(self, snapshots: SnapshotDir | None, rank: int,
-                after_commit: Callable[[], None] | None = None) -> None:
-        """Under :func:`~distopt.elastic.run`: where commits go (None: not this rank), this rank's number, and
-        what runs after each commit is written (collective on every rank: ``python -m distopt.launch``'s
-        growth check, :mod:`distopt.elastic.regroup`)."""
-        object.__setattr__(self, "_snapshots", snapshots)
-        object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_after_commit", after_commit)
+                entries = _module_entries(obj, set())
+                with torch.no_grad():
+                    for key, value in saved.items():
+                        entries[key].copy_(value)
+            else:
+                obj.load_state_dict(saved)
+        self._values.update(rest["values"])
+        object.__setattr__(self, "commits", seq)
+        if not own:  # this world has no part of its own until its first commit
+            object.__setattr__(self, "_committed", None)
+
+    def _attach(self, store: Callable[[int, bytes], None] | None) -> None:
+        """Under :func:`~distopt.elastic.run`: what stores each commit's part (collective on every rank)."""
+        object.__setattr__(self, "_store", store)
 
     def _reset(self) -> None:
         for callback in self._callbacks:

@@ -1,8 +1,7 @@
 """Children that die with their parent (Linux ``PR_SET_PDEATHSIG``), for the launchers.
 
-When the launching process ends by any means, SIGKILL included, the kernel
-sends each child SIGTERM (the fix of PyTorch #14394, PR 14491). Elsewhere
-the children poll their parent's pid instead.
+When the launching process ends by any means, SIGKILL included, the kernel sends each child SIGTERM (the fix of
+PyTorch #14394, PR 14491). Elsewhere the children poll their parent's pid instead.
 """
 from __future__ import annotations
 
@@ -26,25 +25,21 @@ def _prctl_pdeathsig(sig: int) -> bool:
     return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
-def _poll_parent(parent: int, period_s: float) -> None:
+def _poll_parent(parent: int) -> None:
     while os.getppid() == parent:
-        time.sleep(period_s)
+        time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def die_with_parent(parent: int, sig: int = signal.SIGTERM, period_s: float = 1.0) -> None:
-    """Have this process get ``sig`` when process ``parent`` (its parent) ends.
+def die_with_parent(parent: int) -> None:
+    """Have this process get SIGTERM when process ``parent`` (its parent) ends (without ``prctl``: polled every 1 s).
 
-    Call it first thing in the child (or as ``preexec_fn``). If the parent
-    is already gone, the signal is sent at once.
+    Call it first thing in the child. If the parent is already gone, the signal is sent at once.
 
     Args:
         parent: the pid of the parent, read before the child started.
-        sig: the signal to receive.
-        period_s: polling period where ``prctl`` is unavailable.
     """
-    if not _prctl_pdeathsig(sig):
-        threading.Thread(target=_poll_parent, args=(parent, period_s), name="distopt-parent-watch",
-                         daemon=True).start()
+    if not _prctl_pdeathsig(signal.SIGTERM):
+        threading.Thread(target=_poll_parent, args=(parent,), name="distopt-parent-watch", daemon=True).start()
     if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), signal.SIGTERM)

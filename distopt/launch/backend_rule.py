@@ -1,29 +1,13 @@
 """The rule that picks the backend for the launch mode; the backend then builds itself from the launch.
 
-The rule (one table in ``docs/launch.md``), first match wins:
+The rule is the table of ``docs/launch.md``, first match wins: the multiprocessing mode (``nccl_id``,
+:func:`distopt.launch.spawn`) gets ``nccl`` if CuPy loads NCCL and the node has ``gpu_per_node`` devices, else
+``shm``; otherwise :func:`choose_backend` picks from the launcher variables found.
 
-======================================== ================== ===========================================
-launched by                              variables read     backend
-======================================== ================== ===========================================
-:func:`distopt.launch.spawn` (nccl_id)   the arguments      ``nccl`` if CuPy loads NCCL and the node has
-                                                            ``gpu_per_node`` devices, else ``shm``
-``python -m distopt.launch``             ``RANK`` ... +     ``shm``
-                                         ``DISTOPT_JOB_ID``
-``torchrun``                             ``RANK`` ... +     ``torch`` (gloo; NCCL for CUDA tensors)
-                                         ``MASTER_ADDR``
-``mpiexec`` / ``mpirun``                 ``PMI_*``,         ``mpi`` (``backend="nccl"``: NCCL, id over MPI)
-                                         ``OMPI_*``
-``srun`` with ``MASTER_ADDR``/``PORT``   ``SLURM_*``        ``torch``
-``srun`` without them                    ``SLURM_*``        ``mpi`` (the MPI library must know Slurm)
-a plain ``python train.py``              none               ``single`` (world size 1, no MPI needed)
-======================================== ================== ===========================================
-
-``backend=`` forces a choice; a backend that does not fit the launch mode
-is a ``ValueError`` saying what fits, and one whose dependency is missing a
-:class:`~distopt.errors.BackendUnavailableError`: there is never a fallback.
-The chosen backend's class builds the communicator from a :class:`Launch`
-(``from_launch``; the MPI-based ones also find the ranks, from MPI). The
-choice is logged once, on rank 0.
+``backend=`` forces a choice; a backend that does not fit the launch mode is a ``ValueError`` saying what fits, and
+one whose dependency is missing a :class:`~distopt.errors.BackendUnavailableError`: there is never a fallback. The
+chosen backend's class builds the communicator from a :class:`Launch` (``from_launch``; the MPI-based ones also find
+the ranks, from MPI). The choice is logged once, on rank 0.
 """
 from __future__ import annotations
 
@@ -44,12 +28,13 @@ log = logging.getLogger("distopt")
 
 
 def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
-    """The backend for a launch without ``nccl_id`` or ``backend=``: the rule of the module docstring.
+    """The backend for a launch without ``nccl_id`` or ``backend=``: ``single`` without launcher variables; under
+    torchrun's variables ``shm`` with ``DISTOPT_JOB_ID`` (``python -m distopt.launch``), else ``torch``; under Slurm's
+    ``torch`` with ``MASTER_ADDR`` and ``MASTER_PORT``, else ``mpi``; under an MPI launcher's ``mpi``.
 
     Args:
-        source: :attr:`distopt.launch.ranks.RankInfo.source` of the launcher
-            variables found (``"torchrun"``, ``"OMPI"``, ``"MPICH"``,
-            ``"Slurm"``), or None when there are none.
+        source: :attr:`distopt.launch.ranks.RankInfo.source` of the launcher variables found (``"torchrun"``,
+            ``"OMPI"``, ``"MPICH"``, ``"Slurm"``), or None when there are none.
         env: the environment.
 
     Returns:
@@ -65,10 +50,10 @@ def choose_backend(source: str | None, env: Mapping[str, str]) -> str:
 
 
 def _spawned_backend(launch: Launch, backend: str | None) -> str:
-    """The backend of the multiprocessing mode: NCCL when CuPy can load NCCL and this node has a device
-    for each of its ``gpu_per_node`` processes, else shm (the GPUs, if any, then shared over host memory;
-    the reason is logged on rank 0 where CuPy is installed). Every process of the job sees the same machine, so all choose
-    alike; a forced ``backend="nccl"`` with too few devices fails on every rank, naming the count."""
+    """The backend of the multiprocessing mode: NCCL when CuPy can load NCCL and this node has a device for each of
+    its ``gpu_per_node`` processes, else shm (the GPUs, if any, then shared over host memory; the reason is logged on
+    rank 0 where CuPy is installed). Every process of the job sees the same machine, so all choose alike; a forced
+    ``backend="nccl"`` with too few devices fails on every rank, naming the count."""
     if launch.gpu_num is None or launch.gpu_per_node is None:
         raise ValueError("nccl_id needs gpu_num (this process's rank) and gpu_per_node (the world size)")
     chosen = backend
@@ -123,12 +108,9 @@ def _launched_backend(launch: Launch, backend: str | None) -> str:
 
 
 def _check_not_independent(launch: Launch, chosen: str) -> None:
-    """Refuse a world smaller than the MPI launch this process is part of (each process would train alone).
-
-    Raises:
-        ValueError: on every process, naming the launcher, its world size and the backend's, unless
-            ``$DISTOPT_INDEPENDENT_PROCESSES`` is 1.
-    """
+    """Raise ValueError on every process (naming the launcher and both sizes) when the backend's world is smaller than
+    the MPI launch this process is part of (each process would train alone), unless ``$DISTOPT_INDEPENDENT_PROCESSES``
+    is 1."""
     found = ranks.mpi_launcher(launch.env)
     if found is None or found[1] <= 1 or chosen in ("mpi", "nccl") or launch.env.get(ranks.INDEPENDENT_ENV) == "1":
         return
@@ -148,29 +130,20 @@ def build_world(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: i
     """Return ``(communicator, rank info)`` for this process.
 
     Args:
-        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the
-            multiprocessing mode, else None.
-        gpu_num: this process's device number on its node (its rank in the
-            multiprocessing mode).
-        gpu_per_node: processes per node (the world size in the
-            multiprocessing mode).
-        backend: ``"mpi"``, ``"nccl"``, ``"shm"``, ``"torch"`` or
-            ``"single"`` to force a backend; None: the rule above.
-        timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT``
-            or 300).
+        nccl_id: the job's :class:`~distopt.launch.nccl_id.NcclIdHolder` in the multiprocessing mode, else None.
+        gpu_num: this process's device number on its node (its rank in the multiprocessing mode).
+        gpu_per_node: processes per node (the world size in the multiprocessing mode).
+        backend: ``"mpi"``, ``"nccl"``, ``"shm"``, ``"torch"`` or ``"single"`` to force a backend; None: the rule above.
+        timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
         env: the environment to read; default ``os.environ``.
 
     Raises:
-        ValueError: ``nccl_id`` without ``gpu_num``/``gpu_per_node``;
-            a backend that does not fit the launch mode; under an MPI launcher
-            (``PMI_SIZE`` or ``OMPI_COMM_WORLD_SIZE`` > 1), a backend whose world
-            size differs from the launcher's (e.g. ``backend="single"``, or
-            torchrun variables saying one process), on every process, unless
-            ``$DISTOPT_INDEPENDENT_PROCESSES=1``; launcher variables
-            that are incomplete, or that disagree with MPI (the message names
-            the launcher whose variables were read, and the fix).
-        BackendUnavailableError: the chosen backend cannot be imported
-            (e.g. no loadable MPI library).
+        ValueError: ``nccl_id`` without ``gpu_num``/``gpu_per_node``; a backend that does not fit the launch mode;
+            under an MPI launcher (``PMI_SIZE`` or ``OMPI_COMM_WORLD_SIZE`` > 1), a backend whose world size differs
+            from the launcher's (e.g. ``backend="single"``, or torchrun variables saying one process), on every
+            process, unless ``$DISTOPT_INDEPENDENT_PROCESSES=1``; launcher variables that are incomplete, or that
+            disagree with MPI (the message names the launcher whose variables were read, and the fix).
+        BackendUnavailableError: the chosen backend cannot be imported (e.g. no loadable MPI library).
     """
     launch = Launch(os.environ if env is None else env, timeout, gpu_num, gpu_per_node, nccl_id)
     chosen = _spawned_backend(launch, backend) if nccl_id is not None else _launched_backend(launch, backend)

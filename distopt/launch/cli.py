@@ -1,27 +1,16 @@
 """``python -m distopt.launch``: run N copies of a script (or module) as one single-node job, fail-fast.
 
-Each copy gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
-and ``DISTOPT_JOB_ID``, so ``DistOpt(opt)``
-(:func:`distopt.launch.backend_rule.build_world`) joins the job over shared memory
-and any distopt script runs unchanged. With more than one copy and no
-``OMP_NUM_THREADS`` in the environment, each copy gets ``OMP_NUM_THREADS=1``
-(as torchrun does, and says so once on stderr): N copies of OpenMP/OpenBLAS
-each starting one thread per CPU oversubscribe the node, and their spinning
-threads can cost several times the work (PowerSGD's products on 2 ranks of
-2 CPUs: 712 ms of CPU per step against 112 ms). The first copy that fails ends the
-job (the others get SIGTERM, then SIGKILL after ``--grace`` seconds) and its
-exit code becomes the launcher's. The children get SIGTERM from the kernel
-when the launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), and
-the job's shared-memory segments are removed at the end in every case.
-
-With ``--min-np``/``--max-np`` the launcher is elastic instead: a failed copy's
-world is re-formed without it, and ``SIGUSR1`` grows the world at the next
-commit (:mod:`distopt.launch.elastic_agent`; the script uses
-``distopt.elastic.run``).
+The user's guide is ``docs/launch.md``. Each copy gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
+and ``DISTOPT_JOB_ID``, so ``DistOpt(opt)`` (:func:`distopt.launch.backend_rule.build_world`) joins the job over shared
+memory. With more than one copy and no ``OMP_NUM_THREADS`` set, each copy gets ``OMP_NUM_THREADS=1`` (as torchrun
+does): N copies of OpenMP/OpenBLAS each starting one thread per CPU oversubscribe the node. A failing copy, or a
+signal to the launcher, ends the job as :mod:`~distopt.launch.launcher` describes; with ``--min-np``/``--max-np`` the
+launcher is elastic instead (:mod:`distopt.launch.elastic_agent`).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -39,8 +28,8 @@ from .nccl_id import new_job_id
 __all__ = ["main"]
 
 
-def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM the live children, SIGKILL after ``grace`` s, reap all."""
+def _end(procs: list[subprocess.Popen], threads: list[threading.Thread], grace: float) -> None:
+    """SIGTERM the live children, SIGKILL after ``grace`` s, reap all; then join their output threads."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -51,6 +40,8 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for thread in threads:
+        thread.join(grace)
 
 
 def _child_setup() -> None:
@@ -112,49 +103,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _thread_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
-    """``{"OMP_NUM_THREADS": "1"}`` for a job of more than one copy whose environment ``env`` does not set
-    it (torchrun's default), else ``{}``."""
+    """``{"OMP_NUM_THREADS": "1"}`` for a job of more than one copy whose ``env`` does not set it, else ``{}``."""
     return {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in env else {}
 
 
-def _start(rank: int, nproc: int, job_id: str, argv: list[str], tag: bool, threads_env: dict[str, str]
-           ) -> tuple[subprocess.Popen, list[threading.Thread]]:
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), **{JOB_ID_ENV: job_id}, **threads_env)
-    pipe = subprocess.PIPE if tag else None
-    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=pipe, stderr=pipe,
-                            preexec_fn=_child_setup if sys.platform.startswith("linux") else None)
-    threads = []
-    if tag:
-        prefix = f"[rank {rank}] ".encode()
-        for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-            thread = threading.Thread(target=_tag_lines, args=(source, sink, prefix), daemon=True)
-            thread.start()
-            threads.append(thread)
-    return proc, threads
+def _start(nproc: int, job_id: str, env: dict[str, str], procs: list[subprocess.Popen],
+           threads: list[threading.Thread], *, argv: list[str], tag: bool, threads_env: dict[str, str]) -> None:
+    """Start ``nproc`` copies, appending each to ``procs`` (rank order) and its output threads to ``threads``."""
+    for rank in range(nproc):
+        child_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                         LOCAL_WORLD_SIZE=str(nproc), **{JOB_ID_ENV: job_id}, **{**threads_env, **env})
+        pipe = subprocess.PIPE if tag else None
+        proc = subprocess.Popen([sys.executable, *argv], env=child_env, stdout=pipe, stderr=pipe,
+                                preexec_fn=_child_setup if sys.platform.startswith("linux") else None)
+        procs.append(proc)
+        if tag:
+            prefix = f"[rank {rank}] ".encode()
+            for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                thread = threading.Thread(target=_tag_lines, args=(source, sink, prefix), daemon=True)
+                thread.start()
+                threads.append(thread)
 
 
 def _run_elastic(config: ElasticConfig, command: list[str], tag: bool, threads_env: dict[str, str],
                  grace: float) -> int:
     """The elastic launcher's exit status (:class:`~distopt.launch.elastic_agent.ElasticAgent`)."""
-
-    def start(nproc: int, job_id: str, env: dict[str, str], procs: list[subprocess.Popen],
-              threads: list[threading.Thread]) -> None:
-        for rank in range(nproc):
-            proc, tagging = _start(rank, nproc, job_id, command, tag, {**threads_env, **env})
-            procs.append(proc)
-            threads += tagging
-
-    def end(procs: list[subprocess.Popen], threads: list[threading.Thread]) -> None:
-        _terminate(procs, grace)
-        for thread in threads:
-            thread.join(grace)
-
     print(f"distopt.launch: elastic run {config.run_id}: {config.nproc} copies (--min-np {config.min_np}, "
           f"--max-np {config.max_np}, --max-restarts {config.max_restarts}); kill -USR1 {os.getpid()} adds one",
           file=sys.stderr, flush=True)
     try:
-        return ElasticAgent(config, start, end, grace).run()
+        return ElasticAgent(config, functools.partial(_start, argv=command, tag=tag, threads_env=threads_env),
+                            functools.partial(_end, grace=grace), grace).run()
     except KeyboardInterrupt:
         print("distopt.launch: interrupted; terminating all ranks", file=sys.stderr, flush=True)
         return 130
@@ -163,12 +142,9 @@ def _run_elastic(config: ElasticConfig, command: list[str], tag: bool, threads_e
 def main(argv: list[str] | None = None) -> int:
     """``python -m distopt.launch -n N [--tag-output] (script.py | -m module) args...``; returns the exit status.
 
-    0 when every copy exits 0; otherwise the first failing rank's exit code
-    (128 + signal number for a signal), after terminating the others; 130 on
-    SIGINT (Ctrl-C, even where the launcher started with SIGINT ignored), 143
-    on SIGTERM (the children are terminated too). The job's shared-memory
-    segments are removed at the end in every case. Elastic mode (``--min-np``/``--max-np``):
-    :class:`~distopt.launch.elastic_agent.ElasticAgent`'s status.
+    0 when every copy exits 0; otherwise the first failing rank's exit code (128 + signal number for a signal), after
+    terminating the others; 130 on SIGINT (Ctrl-C, even where the launcher started with it ignored), 143 on SIGTERM
+    (the children are terminated too); in elastic mode, :class:`~distopt.launch.elastic_agent.ElasticAgent`'s status.
     """
     from ..comm.shm import unlink_segments
 
@@ -194,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if elastic is not None:
         return _run_elastic(elastic, command, ns.tag_output, threads_env, ns.grace)
     try:
-        for rank in range(ns.nproc):
-            proc, tagging = _start(rank, ns.nproc, job_id, command, ns.tag_output, threads_env)
-            procs.append(proc)
-            threads += tagging
+        _start(ns.nproc, job_id, {}, procs, threads, argv=command, tag=ns.tag_output, threads_env=threads_env)
         while True:
             for rank, p in enumerate(procs):
                 code = p.poll()
@@ -212,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         print("distopt.launch: interrupted; terminating all ranks", file=sys.stderr, flush=True)
         return 130
     finally:
-        _terminate(procs, ns.grace)
-        for thread in threads:
-            thread.join(ns.grace)
+        _end(procs, threads, ns.grace)
         unlink_segments(job_id)
 

@@ -1,9 +1,4 @@
-"""Which device a local rank uses, among the devices it can see.
-
-Device indices returned by :func:`device_index` are relative to the devices
-the process can see (what CuPy's ``Device(i)`` and ``torch.device("cuda", i)``
-take), not physical GPU numbers.
-"""
+"""Which device a local rank uses, among the devices it can see (:func:`device_index`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -26,38 +21,29 @@ def device_index(local_rank: int, env: Mapping[str, str], device_count: int | No
                  local_size: int | None = None) -> int:
     """The device this local rank should use, among the devices it can see.
 
-    The index is relative to the visible devices, i.e. what
-    ``cupy.cuda.Device(i)`` and ``torch.device("cuda", i)`` take, not the
-    physical GPU number. With ``CUDA_VISIBLE_DEVICES`` listing ``k``
-    devices (otherwise ``k = device_count``; both given: the smaller):
+    The index is relative to the visible devices, i.e. what ``cupy.cuda.Device(i)`` and ``torch.device("cuda", i)``
+    take, not the physical GPU number. Without ``CUDA_VISIBLE_DEVICES`` and ``device_count`` it is ``local_rank``.
+    With ``CUDA_VISIBLE_DEVICES`` listing ``k`` devices (otherwise ``k = device_count``; both given: the smaller):
 
-    * ``k == 1``: 0. The launcher gave each process its own GPU (e.g.
-      ``srun --gpus-per-task=1``); using ``local_rank`` here asks for a device
-      that does not exist (DeepSpeed #3165).
+    * ``k == 1``: 0. The launcher gave each process its own GPU (e.g. ``srun --gpus-per-task=1``); using
+      ``local_rank`` here asks for a device that does not exist (DeepSpeed #3165).
     * ``local_rank < k`` (and ``local_size <= k`` when given): ``local_rank``.
-    * otherwise: ``ValueError``. More local ranks than devices would put two
-      ranks on one GPU, which NCCL refuses ("Duplicate GPU detected");
-      wrapping around with a modulo would hide that.
-
-    Without ``CUDA_VISIBLE_DEVICES`` and ``device_count`` the answer is
-    ``local_rank``.
+    * otherwise: ``ValueError``. More local ranks than devices would put two ranks on one GPU, which NCCL refuses
+      ("Duplicate GPU detected"); wrapping around with a modulo would hide that.
 
     Args:
         local_rank: This process's rank on its node (``RankInfo.local_rank``).
         env: The environment (only ``CUDA_VISIBLE_DEVICES`` is read).
-        device_count: Devices this process can see (e.g.
-            ``torch.cuda.device_count()``), or ``None`` if unknown.
-        local_size: Processes on this node, or ``None`` if unknown. When
-            given, every local rank fails alike if the node has too few
-            devices, instead of only the highest ones.
+        device_count: Devices this process can see (e.g. ``torch.cuda.device_count()``), or ``None`` if unknown.
+        local_size: Processes on this node, or ``None`` if unknown. When given, every local rank fails alike if the
+            node has too few devices, instead of only the highest ones.
 
     Returns:
         The device index, in ``[0, k)``.
 
     Raises:
-        ValueError: ``local_rank`` is negative or not below ``local_size``;
-            no device is visible; or there are more local ranks than
-            visible devices.
+        ValueError: ``local_rank`` is negative or not below ``local_size``; no device is visible; or there are more
+            local ranks than visible devices.
     """
     if local_rank < 0:
         raise ValueError(f"local_rank must be >= 0, got {local_rank}")

@@ -1,32 +1,16 @@
 """Elastic mode of ``python -m distopt.launch`` (``--min-np``/``--max-np``): re-form the world instead of failing.
 
-The launcher plays the part of torchrun's elastic agent (and of Horovod
-Elastic's driver) on one machine. It runs *worlds* of copies one after the
-other; each world has a fresh job id, so a fresh set of shared-memory
-segments, and every copy of it gets ``DISTOPT_RUN_ID`` (``--run-id``: it names
-the commits in ``/dev/shm``), ``DISTOPT_RESTART_COUNT`` and
-``DISTOPT_GROW_FILE`` (:mod:`distopt.launch.info`). ``distopt.elastic.run``
-in the copies resumes every world from the run's newest commit.
+The launcher plays the part of torchrun's elastic agent (and of Horovod Elastic's driver) on one machine; its user's
+guide (failures, growth by ``SIGUSR1``, stopping) is ``docs/elastic.md``. It runs *worlds* of copies one after the
+other; each world has a fresh job id, so a fresh set of shared-memory segments, and every copy of it gets
+``DISTOPT_RUN_ID``, ``DISTOPT_RESTART_COUNT`` and ``DISTOPT_GROW_FILE`` (:mod:`distopt.launch.info`);
+``distopt.elastic.run`` in the copies resumes every world from the run's newest commit.
 
-* **A copy fails** (non-zero exit, signal): the others are terminated (SIGTERM,
-  SIGKILL after ``--grace`` s), the world's segments are unlinked, and the
-  failed copy's slot is dropped (as Horovod blacklists a failed host). If at
-  least ``--min-np`` slots are left (counting the copies SIGUSR1 asked for)
-  and fewer than ``--max-restarts`` restarts were used, a world of that many
-  copies starts and rolls back to the last commit; otherwise the launcher exits with the failed copy's status and one
-  line on stderr naming the limit, and the newest commit stays in
-  ``/dev/shm/distopt-elastic-<run id>`` (a relaunch with the same ``--run-id``
-  resumes from it).
-* **Growth**: ``SIGUSR1`` to the launcher's pid asks for one more copy (up to
-  ``--max-np``; several signals, several copies). The launcher creates the grow
-  file; at their next ``state.commit()`` the copies agree (rank 0 looks, a
-  broadcast tells the others), stop right after the commit is written and exit
-  with :data:`~distopt.launch.info.REGROUP_EXIT`; the launcher then starts the
-  larger world, which resumes from that commit: growth loses no step. A
-  growth does not count as a restart.
-* A failure after a copy already exited 0 (the training function had
-  returned on every rank) is not restarted: the launcher fails as in its
-  fail-fast mode.
+* **Growth**: the launcher creates the grow file; at their next ``state.commit()`` the copies agree (rank 0 looks, a
+  broadcast tells the others), stop right after the commit is written and exit with
+  :data:`~distopt.launch.info.REGROUP_EXIT`; the larger world then resumes from that commit. Not a restart.
+* A failure after a copy already exited 0 (the training function had returned on every rank) is not restarted: the
+  launcher fails as in its fail-fast mode.
 """
 from __future__ import annotations
 
@@ -50,7 +34,7 @@ from .nccl_id import new_job_id
 __all__ = ["ElasticConfig", "ElasticAgent", "elastic_config"]
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
-_COMMIT = re.compile(r"commit-(\d+)\.rank\d+\.pt")
+_COMMIT = re.compile(r"commit-(\d+)\.part\d+of\d+\.pt")
 POLL_S = 0.05  # how often the copies' exits and the growth requests are looked at
 
 
@@ -78,9 +62,8 @@ class ElasticConfig:
 def elastic_config(nproc: int, min_np: int | None, max_np: int | None, max_restarts: int | None,
                    run_id: str | None) -> ElasticConfig | None:
     """The elastic configuration of the CLI's options, or None (fail-fast mode) when neither ``--min-np`` nor
-    ``--max-np`` is given.
-
-    Defaults: ``--min-np`` and ``--max-np`` are ``-n`` (Horovod's ``--min-np`` default), ``--max-restarts`` 3.
+    ``--max-np`` is given. Defaults: ``--min-np`` and ``--max-np`` are ``-n`` (Horovod's ``--min-np`` default),
+    ``--max-restarts`` 3.
 
     Raises:
         ValueError: (the CLI prints it as a usage error) ``--max-restarts`` or ``--run-id`` without
@@ -209,8 +192,7 @@ class ElasticAgent:
         if not asked:
             return
         self.requests -= asked
-        room = self.config.max_np - slots - self.pending
-        added = max(0, min(asked, room))
+        added = max(0, min(asked, self.config.max_np - slots - self.pending))
         if added:
             self.pending += added
             self.grow_file.touch()
@@ -249,8 +231,7 @@ class ElasticAgent:
         if outcome.finished:
             why = "another copy had already finished (exit 0), so the training had ended: not restarting"
         elif left < self.config.min_np:
-            why = (f"{left} cop{'y' if left == 1 else 'ies'} left, below --min-np {self.config.min_np}: "
-                   "stopping")
+            why = f"{left} cop{'y' if left == 1 else 'ies'} left, below --min-np {self.config.min_np}: stopping"
         elif restarts >= self.config.max_restarts:
             why = f"--max-restarts {self.config.max_restarts} reached ({restarts} restarts used): stopping"
         else:

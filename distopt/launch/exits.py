@@ -1,10 +1,7 @@
 """How the launchers end: SIGTERM and SIGINT in the launching process, and the words for a child's exit.
 
-Both launchers (:func:`~distopt.launch.launcher.spawn` and ``python -m
-distopt.launch``, :mod:`~distopt.launch.cli`) install :func:`end_on_signals`
-while their workers run, so a signal to the launcher runs its cleanup
-(terminate the workers, remove the job's shared memory) even where SIGINT
-started ignored, and report a child's exit status with :func:`describe_exit`.
+Both launchers install :func:`end_on_signals` while their workers run (why: :mod:`~distopt.launch.launcher`) and
+report a child's exit status with :func:`describe_exit`.
 """
 from __future__ import annotations
 
@@ -33,9 +30,8 @@ def _exit_143(*_: Any) -> None:
 
 
 def end_on_signals() -> dict[int, Any]:
-    """In the main thread, make SIGTERM a ``SystemExit(143)`` and SIGINT a KeyboardInterrupt (so cleanup runs).
-
-    Installed whatever the inherited disposition (a background shell job starts with SIGINT ignored).
+    """In the main thread, make SIGTERM a ``SystemExit(143)`` and SIGINT a KeyboardInterrupt (so cleanup runs),
+    whatever the inherited disposition (a background shell job starts with SIGINT ignored).
 
     Returns:
         The previous handlers Python can put back; empty outside the main thread (no handler is set there).

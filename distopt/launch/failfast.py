@@ -1,14 +1,12 @@
 """End the whole MPI job when one rank raises (instead of leaving the others blocked).
 
-When an uncaught exception reaches the top of a rank, the traceback is
-printed as usual and then ``MPI_Abort`` ends every process of the job
-(ChainerMN #236 / PR 250, mpi4py #290). ``python -m mpi4py
-script.py`` does the same for any script.
+When an uncaught exception reaches the top of a rank, the traceback is printed as usual and then ``MPI_Abort`` ends
+every process of the job (ChainerMN #236 / PR 250, mpi4py #290). ``python -m mpi4py script.py`` does the same for any
+script.
 
-The abort waits ``DRAIN_SECONDS`` after flushing: the launcher forwards each
-rank's output through its own proxy, and an abort that arrives first kills
-the proxy with the end of the traceback still unread (seen under load with
-MPICH's Hydra: the ``raise`` line and the message were lost).
+The abort waits ``DRAIN_SECONDS`` after flushing: the launcher forwards each rank's output through its own proxy, and
+an abort that arrives first kills the proxy with the end of the traceback still unread (seen under load with MPICH's
+Hydra: the ``raise`` line and the message were lost).
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What a backend builds itself from: the launch information of one process.
 
-:class:`Launch` is filled by :mod:`distopt.launch.world` (from the arguments
-of ``DistOpt`` or ``distopt.init`` and the environment) and handed to the
-chosen backend's ``from_launch`` (:func:`distopt.comm.from_launch`). It sits
-below the communicators: they read it, and nothing here imports them.
+:class:`Launch` is filled by :mod:`distopt.launch.world` (from the arguments of ``DistOpt`` or ``distopt.init`` and the
+environment) and handed to the chosen backend's ``from_launch`` (:func:`distopt.comm.from_launch`). It sits below the
+communicators: they read it, and nothing here imports them.
 """
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from . import ranks
 
 __all__ = ["Launch", "JOB_ID_ENV", "RUN_ID_ENV", "RESTART_COUNT_ENV", "GROW_FILE_ENV", "REGROUP_EXIT"]
 
-
-#: Set by ``python -m distopt.launch``: the id the copies of one job share (their shm segments' names).
-#: In elastic mode every new world gets a fresh one.
+#: Set by ``python -m distopt.launch``: the id the copies of one job share (their shm segments' names), fresh per
+#: elastic world.
 JOB_ID_ENV = "DISTOPT_JOB_ID"
 #: Set by ``python -m distopt.launch --min-np/--max-np`` (elastic mode): its ``--run-id``, the same for every
 #: world of the run (it names the commits in ``/dev/shm``, as torchrun's ``TORCHELASTIC_RUN_ID``).

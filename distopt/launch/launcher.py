@@ -1,22 +1,15 @@
 """:func:`spawn`: start the worker processes of a single-node job from Python, fail-fast.
 
-After SINGA's multiprocess launch (one ``NcclIdHolder`` shared by ``nprocs``
-workers) and PyTorch's ``torch.multiprocessing.spawn``: :func:`spawn` runs
-``fn(nccl_id, gpu_num, gpu_per_node, *args)`` in ``nprocs`` processes
-started with the ``spawn`` method. Its command-line sibling, ``python -m
-distopt.launch -n 4 script.py``, is :mod:`~distopt.launch.cli`.
+After SINGA's multiprocess launch (one ``NcclIdHolder`` shared by the workers) and PyTorch's
+``torch.multiprocessing.spawn``; its command-line sibling, ``python -m distopt.launch -n 4 script.py``, is
+:mod:`~distopt.launch.cli`.
 
-In both, the first worker that fails (raises, exits non-zero or is killed)
-ends the job: the others get SIGTERM, then SIGKILL after a grace period, all
-are reaped, and the failure is reported with its rank. When the launching
-process itself is ended (SIGTERM, SIGINT, or SIGKILL), the workers end too:
-they get SIGTERM from the kernel when their parent dies (Linux
-``PR_SET_PDEATHSIG``), and the job's shared-memory segments are removed
-(by the launcher on SIGTERM/SIGINT, by the workers' resource tracker after
-a SIGKILL). Both launchers install their own SIGTERM and SIGINT handlers,
-so SIGINT ends the job even where the launcher started with it ignored (a
-background shell job, ``nohup``, some CI runners); the workers, started
-after that, do not inherit the ignored SIGINT.
+In both (``docs/launch.md``), the first worker that fails ends the job (the others get SIGTERM, then SIGKILL after a
+grace period), and ending the launcher ends the workers: they get SIGTERM from the kernel when their parent dies
+(Linux ``PR_SET_PDEATHSIG``), and the job's shared-memory segments are removed (by the launcher on SIGTERM/SIGINT, by
+the workers' resource tracker after a SIGKILL). Both launchers install their own SIGTERM and SIGINT
+handlers, so SIGINT ends the job even where the launcher started with it ignored (a background shell job, ``nohup``,
+some CI runners); the workers, started after that, do not inherit the ignored SIGINT.
 """
 from __future__ import annotations
 
@@ -51,8 +44,7 @@ class WorkerFailedError(DistOptError):
         traceback: the formatted traceback of the worker's exception, or "".
     """
 
-    def __init__(self, rank: int, reason: str, traceback_text: str = "",
-                 exitcode: int | None = None) -> None:
+    def __init__(self, rank: int, reason: str, traceback_text: str = "", exitcode: int | None = None) -> None:
         self.rank, self.exitcode, self.traceback = rank, exitcode, traceback_text
         message = f"rank {rank} {reason}"
         if traceback_text:
@@ -82,20 +74,13 @@ def _worker(fn: Callable[..., Any], rank: int, nprocs: int, holder: NcclIdHolder
 
 def _forward_records(log_queue: Any, handler: logging.Handler) -> None:
     """Parent side of log forwarding: write records until a None arrives."""
-    while True:
-        record = log_queue.get()
-        if record is None:
-            return
+    for record in iter(log_queue.get, None):
         handler.handle(record)
 
 
-def _watch(procs: list, conns: dict[Connection, int], timeout: float | None
-           ) -> tuple[int, str, str] | None:
-    """Wait for the workers; return (rank, traceback, reason) of the first failure.
-
-    ``reason`` is "" for a worker that reported an exception (its exit code is
-    known only once it is reaped).
-    """
+def _watch(procs: list, conns: dict[Connection, int], timeout: float | None) -> tuple[int, str, str] | None:
+    """Wait for the workers; return (rank, traceback, reason) of the first failure. ``reason`` is "" for a worker
+    that reported an exception (its exit code is known only once it is reaped)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     running = {p.sentinel: rank for rank, p in enumerate(procs)}
     conns = dict(conns)
@@ -145,16 +130,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
           join_timeout: float = 5.0, log_level: int = logging.INFO) -> None:
     """Run ``fn(nccl_id, gpu_num, gpu_per_node, *args)`` in ``nprocs`` processes.
 
-    Processes are started with the ``spawn`` method, so ``fn`` and ``args``
-    must be picklable (``fn`` defined at the top level of an importable
-    module). ``gpu_num`` is the rank (0 .. nprocs-1), ``gpu_per_node`` is
-    ``nprocs``. Workers' ``logging`` records are written to this process's
-    stdout as ``[rank R] LEVEL logger: message``: records at ``log_level`` and
-    above from rank 0, WARNING and above from the others. Called from the
-    main thread, it makes SIGINT a KeyboardInterrupt and SIGTERM a
-    ``SystemExit(143)`` until it returns, even where SIGINT was ignored; either
-    terminates every worker and propagates. Afterwards any shared-memory
-    segment of the job left by a killed worker is unlinked.
+    Processes are started with the ``spawn`` method, so ``fn`` and ``args`` must be picklable (``fn`` defined at the
+    top level of an importable module). ``gpu_num`` is the rank (0 .. nprocs-1), ``gpu_per_node`` is ``nprocs``.
+    Workers' ``logging`` records are written to this process's stdout as ``[rank R] LEVEL logger: message``: records
+    at ``log_level`` and above from rank 0, WARNING and above from the others. Called from the main thread, it makes
+    SIGINT a KeyboardInterrupt and SIGTERM a ``SystemExit(143)`` until it returns, even where SIGINT was ignored;
+    either terminates every worker and propagates. Afterwards any shared-memory segment of the job left by a killed
+    worker is unlinked.
 
     Args:
         fn: the worker function.
@@ -162,15 +144,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
         args: extra positional arguments for ``fn``.
         nccl_id: the job's ticket; a new :class:`NcclIdHolder` by default.
         timeout: wall-clock limit of the whole job, in seconds (None: none).
-        join_timeout: seconds a terminated worker gets between SIGTERM and
-            SIGKILL (the failing worker gets as long to exit by itself).
+        join_timeout: seconds a terminated worker gets between SIGTERM and SIGKILL (the failing worker gets as long
+            to exit by itself).
         log_level: level of the records forwarded from rank 0.
 
     Raises:
         ValueError: ``nprocs < 1``.
-        WorkerFailedError: a worker raised, exited non-zero or was killed by a
-            signal, or the job overran ``timeout``; carries the rank, the exit
-            code and the worker's traceback.
+        WorkerFailedError: a worker raised, exited non-zero or was killed by a signal, or the job overran
+            ``timeout``; carries the rank, the exit code and the worker's traceback.
     """
     from ..comm.shm import unlink_segments
 
@@ -192,8 +173,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, name=f"distopt-rank{rank}",
-                               args=(fn, rank, nprocs, holder, tuple(args), writer, log_queue, log_level,
-                                     os.getpid()))
+                               args=(fn, rank, nprocs, holder, tuple(args), writer, log_queue, log_level, os.getpid()))
             proc.start()
             writer.close()
             procs.append(proc)
@@ -214,5 +194,4 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     if failure is not None:
         rank, text, reason = failure
         code = procs[rank].exitcode
-        raise WorkerFailedError(rank, reason or f"raised an exception ({describe_exit(code)})",
-                                text, code)
+        raise WorkerFailedError(rank, reason or f"raised an exception ({describe_exit(code)})", text, code)

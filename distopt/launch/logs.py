@@ -1,13 +1,8 @@
 """Per-rank output under any launcher: ``[rank r]`` log prefixes, INFO and progress bars from rank 0 only.
 
-``distopt.setup_logging()`` at the top of a training script makes every
-``logging`` record read ``[rank 3] WARNING distopt: ...``, lets INFO and
-DEBUG through on rank 0 only (the others show WARNING and above), and finds
-the rank from the launcher's variables (torchrun, mpiexec, Slurm,
-``python -m distopt.launch``; none: rank 0), so it can run before any
-communicator exists. :func:`distopt.launch.spawn` sets up the same format
-in its workers. :func:`progress` shows a tqdm bar on rank 0 and nothing on
-the others.
+:func:`setup_logging` (``distopt.setup_logging()``) finds the rank from the launcher's variables, so it can run before
+any communicator exists; :func:`distopt.launch.spawn` sets up the same format in its workers. :func:`progress` shows a
+tqdm bar on rank 0 and nothing on the others.
 """
 from __future__ import annotations
 
@@ -49,8 +44,8 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None, stream: Te
 
     Args:
         level: the lowest level shown on rank 0 (others: ``max(level, WARNING)``).
-        rank: this process's global rank; default: from the launcher's
-            environment variables (:func:`distopt.launch.ranks.from_env`), else 0.
+        rank: this process's global rank; default: from the launcher's environment variables
+            (:func:`distopt.launch.ranks.from_env`), else 0.
         stream: where records go; default ``sys.stderr``.
 
     Returns:
@@ -77,8 +72,7 @@ def progress(iterable: Iterable[T], rank: int, **kwargs: Any) -> Iterable[T]:
     """``tqdm(iterable, **kwargs)`` on rank 0; the bare iterable (no bar) on the others.
 
     Raises:
-        ImportError: tqdm is not installed (on every rank alike), naming the
-            extra that installs it.
+        ImportError: tqdm is not installed (on every rank alike), naming the extra that installs it.
     """
     try:
         from tqdm import tqdm

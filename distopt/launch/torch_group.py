@@ -1,17 +1,10 @@
 """torch.distributed's default process group over an MPI world, for the DDP habits of a script under mpiexec.
 
-A DDP script ported to distopt keeps calling torch.distributed around the
-optimizer: ``DistributedSampler(dataset)``, ``dist.all_reduce`` in its
-metrics, ``dist.barrier()``, ``destroy_process_group()``. Under torchrun the
-default process group exists; under ``mpiexec`` nothing sets
-``MASTER_ADDR``/``MASTER_PORT``, so those calls raise "Default process group
-has not been initialized". When the MPI world is built in a process that has
-imported torch, :func:`init_default_group` initialises that group with
-torch's own machinery: rank 0 starts a c10d ``TCPStore`` on a free port, the
-address is agreed over the MPI world (one bounded all-gather), and every rank
-calls ``torch.distributed.init_process_group("gloo", store=...)`` with its
-MPI rank and the MPI world size. (Horovod's and mpi4py's users do the same
-by hand with ``init_method="tcp://..."``.)
+Under ``mpiexec`` nothing sets ``MASTER_ADDR``/``MASTER_PORT``, so a ported DDP script's own torch.distributed calls
+(``DistributedSampler``, ``dist.barrier()``, ...) would raise "Default process group has not been initialized".
+:func:`init_default_group` initialises that group with torch's own machinery: rank 0 starts a c10d ``TCPStore`` on a
+free port, the address is agreed over the MPI world (one bounded all-gather), and every rank calls
+``init_process_group("gloo", store=...)`` with its MPI rank and world size (as Horovod's and mpi4py's users do by hand).
 """
 from __future__ import annotations
 
@@ -47,23 +40,20 @@ def _host(rec: np.ndarray) -> str:
 def init_default_group(comm: Communicator, timeout: float) -> bool:
     """Initialise torch.distributed's default (gloo) process group over ``comm``'s ranks, if it is wanted.
 
-    Wanted when torch is imported in this process, torch.distributed is
-    available and no default group exists yet — on every rank (one all-gather
-    over ``comm`` decides; if any rank does not want it, none makes it). The
-    group's ranks and world size are ``comm``'s; the store's host is
-    127.0.0.1 when every rank runs on rank 0's host, else rank 0's host name.
+    Wanted when torch is imported in this process, torch.distributed is available and no default group exists yet —
+    on every rank (one all-gather over ``comm`` decides; if any rank does not want it, none makes it). The store's
+    host is 127.0.0.1 when every rank runs on rank 0's host, else rank 0's host name.
 
     Args:
         comm: the MPI world just built (collective: every rank calls this).
-        timeout: seconds for the store's connections and the group's
-            collectives.
+        timeout: seconds for the store's connections and the group's collectives.
 
     Returns:
         True if this call initialised the default group.
 
     Raises:
-        RuntimeError: rank 0 could not start the store (on every rank), or
-            torch's own errors from ``init_process_group``.
+        RuntimeError: rank 0 could not start the store (on every rank), or torch's own errors from
+            ``init_process_group``.
     """
     dist: Any = None
     if "torch" in sys.modules:
@@ -88,8 +78,7 @@ def init_default_group(comm: Communicator, timeout: float) -> bool:
     same_host = all(_host(row) == _host(table[0]) for row in table)
     host = "127.0.0.1" if same_host else _host(table[0])
     if store is None:
-        store = dist.TCPStore(host, root_port, comm.size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(host, root_port, comm.size, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size,
                             timeout=datetime.timedelta(seconds=timeout))
     if comm.rank == 0:

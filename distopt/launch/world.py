@@ -1,8 +1,7 @@
-"""Joining the job and sharing it: :func:`init`'s :class:`World`, the communicator each ``DistOpt``
-acquires (built, handed over, a group's or the world's, see :func:`acquire_comm`), and process groups.
+"""Joining the job and sharing it: :func:`init`'s :class:`World`, the communicator each ``DistOpt`` acquires (built,
+handed over, a group's or the world's, see :func:`acquire_comm`), and process groups.
 
-Which backend a launch gets is the rule of :mod:`distopt.launch.backend_rule`
-(:func:`build_world`, re-exported here).
+Which backend a launch gets is the rule of :mod:`distopt.launch.backend_rule` (:func:`build_world`, re-exported here).
 """
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class World:
 
     @property
     def users(self) -> int:
-        """How many hold this world now: the DistOpts built on it, and the script while it holds the
-        world of :func:`init` (until :meth:`close`)."""
+        """How many hold this world now: its DistOpts, and the script while it holds :func:`init`'s world."""
         return self._users[0] + self._users[1]
 
     def acquire(self) -> None:
@@ -59,8 +57,7 @@ class World:
         self._users[1] = 1
 
     def release(self) -> None:
-        """Count one DistOpt less; when nobody holds the world any more, its communicator closes
-        (collective on MPI: see its ``close``). A release past zero does nothing."""
+        """Count one DistOpt less (not past zero); once nobody holds the world, it closes (collective on MPI)."""
         if self._users[0] > 0:
             self._users[0] -= 1
             self._close_if_unused()
@@ -95,8 +92,7 @@ class World:
         return self.comm.name
 
     def close(self) -> None:
-        """Let go of the world (idempotent): its communicator closes now, or, while DistOpts still use
-        it, when the last of them closes."""
+        """Let go of the world (idempotent): its communicator closes now, or when the last DistOpt on it closes."""
         self._users[1] = 0
         self._close_if_unused()
 
@@ -107,19 +103,16 @@ _current: World | None = None
 def init(backend: str | None = None, timeout: float | None = None) -> World:
     """Join the job now and return where this process stands, e.g. to scale the learning rate.
 
-    Idempotent: a second call returns the same :class:`World` while its
-    communicator is open. The script holds the world until ``world.close()``
-    (or exit); DistOpts built on it share it and never close it while the
-    script holds it. Example::
+    Idempotent: a second call returns the same :class:`World` while its communicator is open. The script holds the
+    world until ``world.close()`` (or exit); DistOpts built on it share it and never close it while the script holds
+    it. Example::
 
         world = distopt.init()
         sgd = torch.optim.SGD(model.parameters(), lr=0.01 * world.world_size)
 
     Args:
-        backend: force a backend (see :func:`build_world`); None: the
-            launch-mode rule.
-        timeout: collective deadline in seconds (default
-            ``$DISTOPT_TIMEOUT`` or 300).
+        backend: force a backend (see :func:`build_world`); None: the launch-mode rule.
+        timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
 
     Raises:
         ValueError: as :func:`build_world`; or a second call asks for another backend.
@@ -146,10 +139,10 @@ def current() -> World | None:
 
 
 def shared_view(comm: Communicator) -> Communicator:
-    """A view of ``comm`` for one user: the same object state (the same MPI communicator, process group,
-    control block and sequence numbers), but its own ``closed`` flag and ``wait_seconds``; its ``close()``
-    only marks the view closed (every later call through it raises
-    :class:`~distopt.errors.CommunicatorClosedError`), ``comm`` stays open for its other users."""
+    """A view of ``comm`` for one user: the same object state (the same MPI communicator, process group, control
+    block and sequence numbers), but its own ``closed`` flag and ``wait_seconds``; its ``close()`` only marks the view
+    closed (every later call through it raises :class:`~distopt.errors.CommunicatorClosedError`), ``comm`` stays open
+    for its other users."""
     view = copy.copy(comm)
     view.closed = False
     if hasattr(view, "wait_seconds"):
@@ -162,34 +155,24 @@ def shared_view(comm: Communicator) -> Communicator:
     return view
 
 
-def _noop() -> None:
-    return None
-
-
 def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int | None = None,
                  backend: str | None = None, timeout: float | None = None, comm: Communicator | None = None,
                  world: World | None = None, hierarchical: bool | None = None, group: Group | None = None
                  ) -> tuple[Communicator, int, int, Callable[[], None]]:
     """The communicator of a new ``DistOpt``, its ``(local rank, local size)``, and how to release it.
 
-    In order: a process ``group``'s communicator (local rank and size from
-    ``world`` or an earlier :func:`init`), an explicit ``comm`` (local rank
-    and size from ``gpu_num`` / ``gpu_per_node``, else the communicator's
-    rank and size), an explicit ``world``, the :class:`World` of an earlier
-    :func:`init`, else a new communicator by :func:`build_world`. Then
-    :func:`~distopt.comm.hierarchy.hierarchical_for` (``hierarchical``; a
-    group's communicator stays flat unless it is True).
+    In order: a process ``group``'s communicator (local rank and size from ``world`` or an earlier :func:`init`), an
+    explicit ``comm`` (local rank and size from ``gpu_num`` / ``gpu_per_node``, else the communicator's rank and
+    size), an explicit ``world``, the :class:`World` of an earlier :func:`init`, else a new communicator by
+    :func:`build_world`. Then :func:`~distopt.comm.hierarchy.hierarchical_for` (``hierarchical``; a group's
+    communicator stays flat unless it is True).
 
-    Ownership, what the returned release closes: only a communicator built
-    here. An explicit ``comm`` stays the caller's, as a process group given
-    to DDP: the DistOpt uses the object itself (a subclass's own state, such
-    as call counters, stays in it) and never closes it; only a hierarchical
-    layer built over it is closed. A group's communicator and a world's are
-    shared: the DistOpt gets a :func:`shared_view` (its calls raise once it
-    is released), the group's communicator stays open, and the world counts
-    one user more
-    (:meth:`World.acquire`): it closes when neither the script (the holder
-    of :func:`init`'s world, until ``world.close()``) nor any DistOpt uses it.
+    Ownership, what the returned release closes: only a communicator built here. An explicit ``comm`` stays the
+    caller's, as a process group given to DDP: the DistOpt uses the object itself (a subclass's own state, such as call
+    counters, stays in it) and never closes it; only a hierarchical layer built over it is closed. A group's
+    communicator and a world's are shared: the DistOpt gets a :func:`shared_view` (its calls raise once it is released),
+    the group's communicator stays open, and the world counts one user more (:meth:`World.acquire`): it closes when
+    neither the script (the holder of :func:`init`'s world, until ``world.close()``) nor any DistOpt uses it.
 
     Raises:
         ValueError: as :func:`build_world`; a rank outside ``group``; as
@@ -207,7 +190,7 @@ def acquire_comm(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: 
         return made, local[0], local[1], made.close
     if comm is not None:  # the caller's: used as it is, never closed here
         made = hierarchical_for(comm, hierarchical)
-        release = _noop if made is comm else made.close_layers  # type: ignore[attr-defined]
+        release = (lambda: None) if made is comm else made.close_layers  # type: ignore[attr-defined]
         return (made, comm.rank if gpu_num is None else gpu_num, comm.size if gpu_per_node is None else gpu_per_node,
                 release)
     world = world if world is not None else (current() if nccl_id is None and backend is None else None)
@@ -239,9 +222,8 @@ def comm_for(nccl_id: Any = None, gpu_num: int | None = None, gpu_per_node: int 
 def new_group(ranks: Iterable[int], world: World | None = None, name: str | None = None) -> Group:
     """A process group of ``ranks`` (torch's ``new_group``, Horovod's process sets): collective over the job.
 
-    Every rank of the job calls it, in the same order, with the same
-    ``ranks``; pass the result to ``DistOpt(opt, group=g)`` or to a
-    collective's ``group=``. See :func:`distopt.comm.groups.split`.
+    Every rank of the job calls it, in the same order, with the same ``ranks``; pass the result to
+    ``DistOpt(opt, group=g)`` or to a collective's ``group=``. See :func:`distopt.comm.groups.split`.
 
     Args:
         ranks: the members' global ranks (any order, distinct).
@@ -252,8 +234,7 @@ def new_group(ranks: Iterable[int], world: World | None = None, name: str | None
         A :class:`~distopt.comm.groups.Group`; its ``comm`` is None on a rank outside it.
 
     Raises:
-        TypeError / ValueError / CollectiveMismatchError: on every rank, as
-            :func:`~distopt.comm.groups.split` (bad ranks, ranks that
-            disagree on the members, a backend without groups).
+        TypeError / ValueError / CollectiveMismatchError: on every rank, as :func:`~distopt.comm.groups.split` (bad
+            ranks, ranks that disagree on the members, a backend without groups).
     """
     return split((world if world is not None else init()).comm, ranks, name)

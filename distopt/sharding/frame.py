@@ -1,14 +1,10 @@
 """``zero=3``'s check frame: one all-gather shape for the step header and the parameter gathers' checks.
 
-At ``zero=3`` a rank may reach a parameter gather (a module's forward or
-backward, ``summon_full_params``) while another reaches the step header
-(its backward ended, or ``step()``): one rank ran a module the other did not
-(a generation loop on one rank). Both exchange the same frame: every rank's
-:data:`WORDS` int64 words, the first saying which of the two it is. So the two
-collectives pair on every backend (no size mismatch, no wait for the
-timeout), and each rank sees the others' kind and raises
-:class:`~distopt.errors.CollectiveMismatchError` at once, naming every
-rank's module and phase.
+At ``zero=3`` a rank may reach a parameter gather (a module's forward or backward, ``summon_full_params``) while
+another reaches the step header (its backward ended, or ``step()``), having run a module the other did not. Both
+exchange the same frame (every rank's :data:`WORDS` int64 words, the first saying which of the two it is), so the two
+collectives pair on every backend and each rank raises :class:`~distopt.errors.CollectiveMismatchError` at once,
+naming every rank's module and phase.
 """
 from __future__ import annotations
 
@@ -34,8 +30,8 @@ _KINDS = ("starting", "announcing")
 
 
 def exchange(launch: Any, size: int, rank: int, kind: int, payload: Sequence[int]) -> Any:
-    """Start gathering this rank's frame (``kind`` and up to 8 ``payload`` words) from every rank; the
-    handle's ``wait()`` completes it, leaving the ``(size * WORDS,)`` int64 array in rank order.
+    """Start gathering this rank's frame (``kind`` and up to 8 ``payload`` words) from every rank; the handle's
+    ``wait()`` completes it, leaving the ``(size * WORDS,)`` int64 array in rank order.
 
     Args:
         launch: the step's :class:`~distopt.comm.launcher.Launcher` (its in-place all-gather).
@@ -45,8 +41,7 @@ def exchange(launch: Any, size: int, rank: int, kind: int, payload: Sequence[int
         payload: at most ``WORDS - 1`` integers.
     """
     words = np.zeros(size * WORDS, dtype=np.int64)
-    words[rank * WORDS] = kind
-    words[rank * WORDS + 1:rank * WORDS + 1 + len(payload)] = payload
+    words[rank * WORDS:rank * WORDS + 1 + len(payload)] = (kind, *payload)
     return launch.gather(words, [WORDS] * size)
 
 
@@ -56,8 +51,8 @@ def rows(gathered: Any, size: int) -> Any:
 
 
 def describe(row: Sequence[int], names: Mapping[int, str]) -> str:
-    """What one rank's frame says it was doing: the step header, or a gather's phase, module (``names``:
-    module position -> name), kind and buckets."""
+    """What one rank's frame says it was doing: the step header, or a gather's phase, module (``names``: module
+    position -> name), kind and buckets."""
     if int(row[0]) == HEADER:
         return "the step's parameter check (its backward ended, or step())"
     return (f"{PHASES[int(row[1])]} of module {names.get(int(row[2]), 'none')!r}, {_KINDS[int(row[0])]} "
@@ -65,8 +60,8 @@ def describe(row: Sequence[int], names: Mapping[int, str]) -> str:
 
 
 def mismatch(everyone: Any, names: Callable[[], Mapping[int, str]]) -> CollectiveMismatchError:
-    """The error for frames that differ: every rank's :func:`describe` (``names()``: module position -> name,
-    asked only when the frames differ)."""
+    """The error for frames that differ: every rank's :func:`describe` (``names()``: module position -> name, asked
+    only when the frames differ)."""
     named = names()
     seen = "; ".join(f"rank {r}: {describe(row, named)}" for r, row in enumerate(everyone))
     return CollectiveMismatchError(f"zero=3: the ranks gather different parameters ({seen}): a module's forward "

@@ -1,25 +1,13 @@
 """The shard plan: which segment of every bucket each rank owns, and the stage and its checks.
 
-ZeRO (Rajbhandari, Rasley, Ruwase & He, SC 2020, "ZeRO: memory
-optimizations toward training trillion parameter models") and Megatron-LM's
-distributed optimizer. Per bucket of the step's layout (identical on every
-rank), rank ``r`` owns the contiguous segment ``[lo_r, hi_r)`` of the
-bucket's flat buffer, split by :func:`~distopt.comm.base.split_counts` (the
-first ``size % W`` ranks own one element more), so a tensor may span ranks
-and a rank's shard is one slice per bucket. A step:
-
-1. reduce-scatters each bucket (started during backward, as the dense
-   all-reduce is): a rank receives only its segment's average;
-2. the local optimizer updates only the pieces of parameters that fall in
-   this rank's segments (1-D views into the parameters, so its state has
-   1/W of the elements);
-3. all-gathers every bucket's parameters in place, so every rank holds
-   bitwise the same parameters again (:class:`~distopt.sharding.gather.ParamGather`;
-   bucket by bucket as the next forward reaches them with ``overlap_param_gather``).
-
-A reduce-scatter plus an all-gather move the bytes of one all-reduce (a
-ring sends ``(W-1)/W`` of the bucket in each). Stage 2 also releases each
-bucket's gradient buffer once its reduce-scatter has completed.
+ZeRO (Rajbhandari, Rasley, Ruwase & He, SC 2020, "ZeRO: memory optimizations toward training trillion parameter
+models") and Megatron-LM's distributed optimizer. Per bucket of the step's layout (identical on every rank), rank ``r``
+owns the contiguous segment ``[lo_r, hi_r)`` of the bucket's flat buffer, split by
+:func:`~distopt.comm.base.split_counts` (the first ``size % W`` ranks own one element more), so a tensor may span
+ranks and a rank's shard is one slice per bucket. A step reduces each bucket (stage 2: reduce-scatters it, a rank
+receiving only its segment's average), the local optimizer updates only the pieces of parameters in this rank's
+segments (1-D views, so its state has 1/W of the elements), and every bucket's parameters are all-gathered in place
+(:class:`~distopt.sharding.gather.ParamGather`); the stages' differences are in :mod:`distopt.sharding.sync`.
 """
 from __future__ import annotations
 
@@ -61,11 +49,9 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
         overlap_param_gather: the option of the same name.
 
     Raises:
-        ValueError: ``zero`` is not a stage; the strategy does not support
-            sharding; ``array_opt`` is not :class:`distopt.SGD` and does not
-            declare ``elementwise = True`` (its update sees 1-D pieces of
-            arrays); ``overlap_param_gather`` or ``zero=3`` with an array
-            optimizer (they need a PyTorch model's forward hooks).
+        ValueError: ``zero`` is not a stage; the strategy does not support sharding; ``array_opt`` is not
+            :class:`distopt.SGD` and does not declare ``elementwise = True`` (its update sees 1-D pieces of arrays);
+            ``overlap_param_gather`` or ``zero=3`` with an array optimizer (they need a PyTorch model's forward hooks).
     """
     zero = check_stage(zero)
     check_strategy(zero, strategy)
@@ -74,7 +60,14 @@ def check_sharding(zero: Any, strategy: Strategy, array_opt: Any, overlap_param_
                          "torch.optim.Optimizer and model= (forward hooks gather the parameters); an array model "
                          "can use zero=1 or zero=2")
     if zero and array_opt is not None:
-        _check_array(array_opt, zero, overlap_param_gather)
+        kind = type(array_opt)
+        if not (f"{kind.__module__}.{kind.__name__}" == "distopt.optim.SGD"
+                or getattr(kind, "elementwise", False) is True):
+            raise ValueError(f"zero={zero} hands the optimizer 1-D pieces of each array, so its update(param, "
+                             f"grad) must be elementwise; {kind.__name__} is not known to be: use distopt.SGD, or "
+                             "set `elementwise = True` on your optimizer class to declare it")
+        if overlap_param_gather:
+            raise ValueError("overlap_param_gather=True needs a torch.optim.Optimizer and model= (forward pre-hooks)")
     return zero
 
 
@@ -87,16 +80,6 @@ def check_strategy(zero: int, strategy: Strategy) -> None:
     if zero and not strategy.supports_sharding:
         raise ValueError(f"zero={zero} needs a strategy that supports sharding (its bucket collective becomes a "
                          f"reduce-scatter): Dense or Half, not {strategy.name!r}; or use zero=0")
-
-
-def _check_array(opt: Any, zero: int, overlap_param_gather: bool) -> None:
-    kind = type(opt)
-    if not (f"{kind.__module__}.{kind.__name__}" == "distopt.optim.SGD" or getattr(kind, "elementwise", False) is True):
-        raise ValueError(f"zero={zero} hands the optimizer 1-D pieces of each array, so its update(param, grad) must "
-                         f"be elementwise; {kind.__name__} is not known to be: use distopt.SGD, or set "
-                         "`elementwise = True` on your optimizer class to declare it")
-    if overlap_param_gather:
-        raise ValueError("overlap_param_gather=True needs a torch.optim.Optimizer and model= (forward pre-hooks)")
 
 
 @dataclass(frozen=True)
@@ -137,10 +120,6 @@ class ShardPlan:
     lows: tuple[int, ...]
     pieces: tuple[Piece, ...]
 
-    def owned(self, rank: int) -> int:
-        """Elements rank ``rank`` owns over all buckets."""
-        return sum(c[rank] for c in self.counts)
-
 
 def plan_shards(buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
     """Split every bucket over ``size`` ranks and list the pieces ``rank`` owns.
@@ -153,8 +132,7 @@ def plan_shards(buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
     counts, lows, pieces = [], [], []
     for b, bucket in enumerate(buckets):
         c = tuple(split_counts(bucket.size, size))
-        lo = sum(c[:rank])
-        hi = lo + c[rank]
+        lo, hi = sum(c[:rank]), sum(c[:rank + 1])
         counts.append(c)
         lows.append(lo)
         for s in bucket.slots:
@@ -165,8 +143,8 @@ def plan_shards(buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
 
 
 def piece_views(plan: ShardPlan, arrays: Sequence[Any]) -> list[Any]:
-    """One 1-D view per piece into ``arrays`` (C-contiguous; writing a view writes the array); None for a
-    piece of a None entry."""
+    """One 1-D view per piece into ``arrays`` (C-contiguous; writing a view writes the array); None for a piece of a
+    None entry."""
     return [None if arrays[p.index] is None else arrays[p.index].reshape(-1)[p.start:p.stop] for p in plan.pieces]
 
 

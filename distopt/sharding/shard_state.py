@@ -7,11 +7,42 @@ groups, with the optimizer's state entry for them
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["check_shards", "consolidate", "merge_shards"]
+__all__ = ["ShardStream", "check_shards", "consolidate", "merge_shards"]
+
+
+@dataclass
+class ShardStream:
+    """Every rank's ``state_dict(sharded=True)`` of one checkpoint, read one shard at a time: what
+    ``DistOpt.load_state_dict`` takes to re-shard a checkpoint without any rank holding the whole state
+    (each shard is dropped once this rank took its elements).
+
+    Attributes:
+        headers: each shard's ``{"world_size", "rank"}``, in the order ``shards`` yields them; checked
+            (:func:`check_shards`) before any shard is read.
+        shards: the shards, in ``headers``' order (it may run a collective per shard, e.g. a broadcast from
+            the rank that holds it: every rank then iterates it in step).
+    """
+
+    headers: list[dict[str, Any]]
+    shards: Iterable[Mapping[str, Any]]
+
+    @classmethod
+    def of(cls, shards: Sequence[Mapping[str, Any]]) -> "ShardStream":
+        """The stream of a list of every rank's sharded state (any order).
+
+        Raises:
+            ValueError: an entry is not a sharded state (no ``"distopt_shard"``).
+        """
+        bad = [i for i, s in enumerate(shards) if not isinstance(s, Mapping) or "distopt_shard" not in s]
+        if bad:
+            raise ValueError(f"entries {bad} of the list are not state_dict(sharded=True) outputs (no "
+                             "'distopt_shard'): load a list of every rank's sharded state")
+        return cls([dict(s["distopt_shard"], pieces=None) for s in shards], shards)
 
 
 def check_shards(shards: Sequence[Any]) -> None:
@@ -37,7 +68,7 @@ def check_shards(shards: Sequence[Any]) -> None:
                          f"any order; got ranks {ranks}" + (f": rank(s) {twice} twice" if twice else "")
                          + (f": rank(s) {missing} missing" if missing else ""))
     steps = {s["rank"]: s.get("steps") for s in shards}
-    if len(set(steps.values())) != 1:
+    if len(set(steps.values()) - {None}) > 1:
         raise ValueError(f"the sharded states were saved at different steps (rank: steps {steps}): a stale "
                          "shard; load every rank's shard of the same checkpoint")
 

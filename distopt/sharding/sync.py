@@ -1,36 +1,20 @@
 """The bucket sync: what a step does with each reduced bucket, replicated (``zero=0``) or sharded (1, 2).
 
-The step engine holds one :class:`BucketSync` for its life, chosen by
-:func:`bucket_sync`; each step's pipeline holds the :class:`StepSync` it
-begins. They are policies: the pipeline and the engine read no flag of a
-stage, they ask its sync (which collective, where its result lands, whether
-the reduction may settle the step, what the finiteness vote covers).
-Everything that differs between the stages is here:
+The step engine holds one :class:`BucketSync` for its life, chosen by :func:`bucket_sync`; each step's pipeline holds
+the :class:`StepSync` it begins. They are policies: the pipeline and the engine read no flag of a stage, they ask its
+sync (which collective, where its result lands, whether the reduction may settle the step, what the finiteness vote
+covers). Everything that differs between the stages (``zero=0``, 1, 2) is here:
 
-=====================  ==========================  ==========================  ===========================
-                       replicated (``zero=0``)     stage 1                     stage 2
-=====================  ==========================  ==========================  ===========================
-a bucket's collective  all-reduce, in place        all-reduce, in place        reduce-scatter: this rank's
-                                                                               segment
-the reduced bucket     unpacked into the           unpacked into the           kept as the segment; the
-                       gradients                   gradients                   bucket's buffer is dropped
-the finiteness vote    only with ``check_finite``  only with ``check_finite``  always (each rank sees its
-                                                                               segments), carrying the
-                                                                               gradient flags
-the update             every parameter             this rank's pieces, then    this rank's pieces, then
-                                                   the parameters' all-gather  the parameters' all-gather
-=====================  ==========================  ==========================  ===========================
+* a bucket's collective: an all-reduce in place (0, 1); a reduce-scatter to this rank's segment (2);
+* the reduced bucket: unpacked into the gradients (0, 1); kept as the segment, the bucket's buffer dropped (2);
+* the finiteness vote: only with ``check_finite`` (0, 1); always, carrying the gradient flags (2: each rank sees its
+  segments);
+* the update: every parameter (0); this rank's pieces, then the parameters' all-gather (1, 2).
 
-Stage 1 shards the optimizer state only: every rank keeps the whole
-averaged gradient (as torch's ``ZeroRedundancyOptimizer`` behind DDP), so
-anything that reads or edits the gradients between backward and the update
-(``torch.nn.utils.clip_grad_norm_``, ``GradScaler``) sees what ``zero=0``
-sees. It costs an all-reduce plus the parameters' all-gather per step (1.5
-times the bytes of ``zero=0``); stage 2 moves a reduce-scatter plus the
-all-gather (the bytes of one all-reduce) and keeps 1/W of the gradient.
-
-The torch side of a sharded step (shard tensors, ``.grad``, checkpoints)
-is :mod:`distopt.torch.zero.step` and :mod:`distopt.torch.zero.state`.
+Stage 1 keeps the whole averaged gradient on every rank, so whatever reads or edits the gradients between backward
+and the update (``clip_grad_norm_``, ``GradScaler``) sees what ``zero=0`` sees; the costs are in ``docs/sharding.md``.
+The torch side of a sharded step (shard tensors, ``.grad``, checkpoints) is :mod:`distopt.torch.zero.step` and
+:mod:`distopt.torch.zero.state`.
 """
 from __future__ import annotations
 
@@ -50,7 +34,7 @@ from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_gra
 
 __all__ = ["BucketSync", "ShardedSync", "StepSync", "PieceUpdate", "ShardedStep", "bucket_sync"]
 
-#: ``vote(bad, where)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
+#: ``agree(bad)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
 Vote = Callable[[bool], bool]
 
 
@@ -73,7 +57,6 @@ class StepSync:
     Args:
         launch: starts an all-reduce, ``launch(array, op)`` (the pipeline's launcher).
     """
-
 
     def __init__(self, launch: Any) -> None:
         self.launch = launch
@@ -125,8 +108,8 @@ class StepSync:
         return False
 
     def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
-        """With ``check_finite``, whether the ranks agree that some REDUCED gradient is not finite (an
-        overflowing half-precision sum of finite inputs): the step is then skipped (collective)."""
+        """With ``check_finite``, whether the ranks agree that some REDUCED gradient is not finite (an overflowing
+        half-precision sum of finite inputs): the step is then skipped (collective)."""
         if not check_finite:
             return False
         return self.settle(agree(self.bad_here(grads, present)), check_finite)
@@ -161,17 +144,20 @@ class PieceUpdate(StepSync):
         comm: the communicator (the parameters' all-gather).
         context: wraps collective errors with the step and the bucket.
         counters: the step counters (``gather_bytes``).
-        pieces: ``pieces(params)``: the 1-D views of this rank's pieces, the
-            same objects at every step of a layout (an array optimizer keys
-            its state by them).
+        pieces: ``pieces(params)``: the 1-D views of this rank's pieces, the same objects at every step of a layout
+            (an array optimizer keys its state by them).
     """
 
     #: The buffers of a step are the layout's, kept from step to step (the gather may add to them).
     keeps_buffers = True
+    runs: Sequence[BucketRun] = ()
 
-    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: list[Any],
-                 comm: Communicator, context: Callable[[str], Any], counters: Counters,
-                 pieces: Callable[[list[Any]], list[Any]]) -> None:
+    def bind(self, runs: Sequence[BucketRun]) -> None:
+        """The step's buckets (each landed one holds its segment; the parameters' gather runs over them)."""
+        self.runs = runs
+
+    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: list[Any], comm: Communicator,
+                 context: Callable[[str], Any], counters: Counters, pieces: Callable[[list[Any]], list[Any]]) -> None:
         super().__init__(launch)
         self.plan, self.buckets, self.buffers, self.pieces = plan, buckets, buffers, pieces
         self.comm, self.context, self.counters = comm, context, counters
@@ -187,7 +173,7 @@ class PieceUpdate(StepSync):
 
     def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
         """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
-        gather = ParamGather(self.comm, self.buckets, self.plan, params, self.buffers, self.context, asynchronous,
+        gather = ParamGather(self.comm, self.runs, self.plan, params, self.buffers, self.context, asynchronous,
                              keep=self.keeps_buffers)
         gather.start()
         self.counters.gather_bytes += gather.gathered_bytes
@@ -195,32 +181,15 @@ class PieceUpdate(StepSync):
 
 
 class ShardedStep(PieceUpdate):
-    """One stage-2 step: every bucket reduce-scattered; this rank keeps and updates its segments, and
-    drops each bucket's buffer once its reduce-scatter has completed.
-
-    Args: as :class:`PieceUpdate`.
-
-    Attributes:
-        segments: per bucket, this rank's averaged segment (1-D, ``plan.counts[b][rank]``
-            ELEMENTS) once the bucket has landed, else None (each the bucket's
-            :attr:`~distopt.core.bucket_run.BucketRun.segment`).
-    """
+    """One stage-2 step: every bucket reduce-scattered; this rank keeps and updates its segments, and drops each
+    bucket's buffer once its reduce-scatter has completed. Args: as :class:`PieceUpdate`."""
 
     keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
 
-    def __init__(self, launch: Any, plan: ShardPlan, buckets: Sequence[Bucket], buffers: list[Any],
-                 comm: Communicator, context: Callable[[str], Any], counters: Counters,
-                 pieces: Callable[[list[Any]], list[Any]]) -> None:
-        super().__init__(launch, plan, buckets, buffers, comm, context, counters, pieces)
-        self.runs: Sequence[BucketRun] = ()
-
-    def bind(self, runs: Sequence[BucketRun]) -> None:
-        """The step's buckets: each landed one holds its segment."""
-        self.runs = runs
-
     @property
     def segments(self) -> list[Any]:
-        """Per bucket, its segment (None until it landed)."""
+        """Per bucket, this rank's averaged segment (1-D, ``plan.counts[b][rank]`` ELEMENTS: the bucket's
+        :attr:`~distopt.core.bucket_run.BucketRun.segment`), None until the bucket landed."""
         return [run.segment for run in self.runs]
 
     def _landed(self) -> list[Any]:
@@ -234,8 +203,7 @@ class ShardedStep(PieceUpdate):
                        reduced: Callable[[int], Any], active: bool) -> Any:  # noqa: ARG002
         """Each rank sees only its own segments: the outcome and the vote on them settle in one all-reduce
         (:meth:`~distopt.step.outcome.Agreement.on_reduced`)."""
-        mine = self.bad_here([], [g is not None for g in own])
-        outcome, bad = agreement.on_reduced(params, own, active, mine)
+        outcome, bad = agreement.on_reduced(params, own, active, self.bad_here([], [g is not None for g in own]))
         if self.settle(bad, agreement.check_finite) and not outcome.skipped:
             agreement.skip(outcome)
         return outcome
@@ -269,9 +237,8 @@ class ShardedStep(PieceUpdate):
         return any_not_finite(self._landed())
 
     def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
-        """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad
-        vote sets every rank's segments to NaN, as a dense average would be NaN on every rank (so
-        ``GradScaler`` sees it everywhere)."""
+        """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad vote sets every
+        rank's segments to NaN, as a dense average would be NaN on every rank (so ``GradScaler`` sees it everywhere)."""
         if bad_anywhere and not check_finite:
             for seg in self._landed():
                 seg[...] = np.nan
@@ -294,8 +261,8 @@ class BucketSync:
 
     def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
         """Whether the step header may leave which gradients exist to the reduced values (a pending step,
-        :meth:`StepSync.settle_pending`): replicated, when the reduced values are bitwise equal on every
-        rank (the strategy keeps replicas identical, NumPy arrays) and nothing must be checked first."""
+        :meth:`StepSync.settle_pending`): replicated, when the reduced values are bitwise equal on every rank (the
+        strategy keeps replicas identical, NumPy arrays) and nothing must be checked first."""
         return not check_finite and strategy.identical_replicas and all(isinstance(p, np.ndarray) for p in params)
 
     def check(self, strategy: Strategy) -> None:
@@ -311,8 +278,7 @@ class BucketSync:
         return None
 
     def buffers(self, layout_buffers: list[Any]) -> list[Any]:
-        """The packing buffers a step may use (per bucket; None: none yet): the layout's, kept from step to
-        step."""
+        """The packing buffers a step may use (per bucket; None: none yet): the layout's, kept from step to step."""
         return layout_buffers
 
     def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: list[Any],
@@ -325,11 +291,8 @@ class ShardedSync(BucketSync):
     """A sharded stage (``zero=1|2|3``, ZeRO): update this rank's pieces, then all-gather.
 
     Args:
-        stage: 1 (optimizer state: gradients all-reduced) or 2 (and
-            gradients: reduce-scattered, each bucket's buffer dropped once
-            reduced, and a step's buffers are new); 3 reduces as 2 (its
-            parameters are gathered by the model's hooks instead,
-            :mod:`~distopt.torch.zero.params`).
+        stage: 1 (optimizer state: gradients all-reduced), 2 (and gradients: reduce-scattered, each bucket's buffer
+            dropped once reduced) or 3 (reduced as 2; the model's hooks gather the parameters).
     """
 
     def __init__(self, stage: int) -> None:
@@ -366,8 +329,8 @@ def bucket_sync(zero: int, comm: Communicator) -> BucketSync:
     """The bucket sync of stage ``zero`` (validated by :func:`~distopt.sharding.plan.check_stage`).
 
     Raises:
-        ValueError: ``zero`` is 1 or 2 and ``comm`` lacks ``reduce_scatter``,
-            ``all_gather_into`` or ``all_to_all`` (:class:`~distopt.comm.base.ShardingCommunicator`).
+        ValueError: ``zero`` is 1 or 2 and ``comm`` lacks ``reduce_scatter``, ``all_gather_into`` or ``all_to_all``
+            (:class:`~distopt.comm.base.ShardingCommunicator`).
     """
     if not zero:
         return BucketSync()

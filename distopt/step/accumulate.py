@@ -7,11 +7,9 @@ __all__ = ["GradientAccumulator"]
 
 
 class GradientAccumulator:
-    """Sums gradients of ``k`` micro-batches locally; releases their MEAN on the k-th.
-
-    The mean (not the sum) is released so that the effective learning rate
-    does not grow with ``k`` (DeepSpeed #7773). Nothing is
-    communicated while accumulating: one all-reduce per ``k`` micro-batches.
+    """Sums gradients of ``k`` micro-batches locally; releases their MEAN on the k-th. The mean (not the sum), so that
+    the effective learning rate does not grow with ``k`` (DeepSpeed #7773). Nothing is communicated while accumulating:
+    one all-reduce per ``k`` micro-batches.
 
     Args:
         k: micro-batches per update, >= 1.
@@ -31,9 +29,8 @@ class GradientAccumulator:
         """Add one micro-batch's gradients; return the mean on the k-th call, else None.
 
         Args:
-            grads: one array (or None) per parameter, the same list length
-                every call. Given arrays receive the mean in place when it is
-                released, so views of ``param.grad`` stay valid.
+            grads: one array (or None) per parameter, the same list length every call. Given arrays receive the mean
+                in place when it is released, so views of ``param.grad`` stay valid.
         """
         if self._sums is None:
             self._sums = [None if g is None else g.copy() for g in grads]
@@ -47,12 +44,8 @@ class GradientAccumulator:
         return self.release(grads) if self.count == self.k else None
 
     def release(self, grads: Sequence[Any] | None = None) -> list[Any] | None:
-        """The mean of what was accumulated (None if nothing), and a clean counter.
-
-        Used for the k-th micro-batch and by ``DistOpt.flush()`` for a partial
-        accumulation at an epoch end (averaged over the micro-batches it
-        holds).
-        """
+        """The mean of what was accumulated (None if nothing), and a clean counter: for the k-th micro-batch, and for
+        ``DistOpt.flush()``'s partial accumulation at an epoch end (averaged over the micro-batches it holds)."""
         if self._sums is None:
             return None
         out: list[Any] = []

@@ -1,11 +1,7 @@
-"""Checks that every rank holds the same parameters and strategy settings.
-
-NCCL #1417 and #1394: buffers that differ across ranks either
-hang or return a mix of reduced and unreduced values. distopt compares a
-short digest every step and, when digests differ, the full descriptions,
-raising :class:`~distopt.errors.CollectiveMismatchError` on every rank with
-the first difference.
-"""
+"""Checks that every rank holds the same parameters and strategy settings. NCCL #1417 and #1394: buffers that differ
+across ranks either hang or return a mix of reduced and unreduced values. distopt compares a short digest every step
+and, when digests differ, the full descriptions, raising :class:`~distopt.errors.CollectiveMismatchError` on every rank
+with the first difference."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -21,28 +17,22 @@ from ..errors import CollectiveMismatchError
 __all__ = ["check_same", "GroupSettings", "group_settings", "shadow_settings", "borrowed"]
 
 
-def _describe(spec: Sequence[Any]) -> str:
-    return f"shape {tuple(spec[0])} dtype {spec[1]}"
-
-
 def check_same(comm: Communicator, params: Sequence[Any], settings: Mapping[str, Any],
                names: Sequence[str] | None = None) -> None:
-    """Compare parameter shapes/dtypes and ``settings`` across ranks (collective: one all-gather of one
-    digest per rank, and every rank's description only when they differ; :func:`~distopt.comm.consensus.agree`).
+    """Compare parameter shapes/dtypes and ``settings`` across ranks (collective: one all-gather of one digest per
+    rank, and every rank's description only when they differ; :func:`~distopt.comm.consensus.agree`).
 
-    ``names``: each parameter's name (its module path), shown beside its
-    number in the error; None: numbers only.
+    ``names``: each parameter's name (its module path), shown beside its number in the error; None: numbers only.
 
     Raises:
-        CollectiveMismatchError: on every rank, naming the first differing
-            setting, or the first parameter whose shape or dtype (or
-            existence) differs, with every rank's value.
+        CollectiveMismatchError: on every rank, naming the first differing setting, or the first parameter whose
+            shape or dtype (or existence) differs, with every rank's value.
     """
     first = sorted(settings, key=lambda k: (k != "strategy", k))  # the strategy's name before its settings
     fields: dict[str, Any] = {f"setting {k!r}": settings[k] for k in first}
     named = names is not None and len(names) == len(params)
     fields.update({f"parameter #{i}": (f"{names[i]!r} " if named else "")  # type: ignore[index]
-                   + _describe((list(p.shape), str(p.dtype))) for i, p in enumerate(params)})
+                   + f"shape {tuple(p.shape)} dtype {p.dtype}" for i, p in enumerate(params)})
     show = {name: repr for name in fields if name.startswith("setting ")}
     agree(comm, fields, call="settings and parameters", error=CollectiveMismatchError, show=show,
           hint="every rank must build the same model, pass its parameters in the same order, and call the "
@@ -56,9 +46,8 @@ class GroupSettings:
     Attributes:
         key: the values, as tuples (compared each step: cheap).
         digest: the digest the step header carries (computed when ``key`` changes).
-        values: ``{"param_groups[i]['lr']": value, ...}``, compared by
-            :func:`check_same` when digests differ, so the error names the
-            group, the key and the values.
+        values: ``{"param_groups[i]['lr']": value, ...}``, compared by :func:`check_same` when digests differ, so
+            the error names the group, the key and the values.
     """
 
     key: tuple[Any, ...]
@@ -82,8 +71,8 @@ def _plain(value: Any) -> Any:
 
 
 def group_settings(groups: Sequence[Mapping[str, Any]], previous: GroupSettings | None = None) -> GroupSettings:
-    """The :class:`GroupSettings` of ``groups`` (parameter groups without their ``params``); ``previous``
-    itself when nothing changed, so the digest is recomputed only after a change (a scheduler step)."""
+    """The :class:`GroupSettings` of ``groups`` (parameter groups without their ``params``); ``previous`` itself when
+    nothing changed, so the digest is recomputed only after a change (a scheduler step)."""
     key = tuple(tuple((k, v) for k, v in ((k, _plain(v)) for k, v in g.items() if k != "params") if v is not _SKIP)
                 for g in groups)
     if previous is not None and previous.key == key:
@@ -96,15 +85,11 @@ def shadow_settings(comm: Communicator, digests: np.ndarray, shadows: np.ndarray
                     shadow: bool) -> tuple[Any, ...] | None:
     """The stepping ranks' hyper-parameters for a joined rank's shadow step, from the step header.
 
-    Inside ``join()`` a rank that ran out of batches answers the others'
-    steps (a shadow step) and applies their averaged gradient. Its own
-    hyper-parameters are frozen where it left the loop (a per-step LR
-    scheduler no longer steps there), so they are not compared; the update
-    it applies must be the stepping ranks', so it takes their values
-    (:func:`borrowed`). Collective only when some shadow rank's settings
-    differ from the stepping ranks' (decided from the header, the same on
-    every rank): one :func:`~distopt.comm.consensus.gather_objects` of the
-    first stepping rank's ``GroupSettings.key``.
+    A rank inside ``join()`` answers the others' steps (a shadow step) with its hyper-parameters frozen where it left
+    the loop (its per-step LR scheduler no longer steps), so they are not compared, and it applies the stepping ranks'
+    values (:func:`borrowed`). Collective only when some shadow rank's settings differ (decided from the header, the
+    same on every rank): one :func:`~distopt.comm.consensus.gather_objects` of the first stepping rank's
+    ``GroupSettings.key``.
 
     Args:
         comm: the communicator.
@@ -114,8 +99,7 @@ def shadow_settings(comm: Communicator, digests: np.ndarray, shadows: np.ndarray
         shadow: this rank's step is a shadow step.
 
     Returns:
-        On a shadow rank whose settings differ, the stepping ranks' ``key``;
-        else None.
+        On a shadow rank whose settings differ, the stepping ranks' ``key``; else None.
     """
     stepping = np.flatnonzero(shadows == 0)
     if not stepping.size or digests[stepping[0]] == 0 or (digests == digests[stepping[0]]).all():
@@ -127,9 +111,9 @@ def shadow_settings(comm: Communicator, digests: np.ndarray, shadows: np.ndarray
 
 @contextmanager
 def borrowed(groups: Sequence[MutableMapping[str, Any]], key: tuple[Any, ...] | None) -> Iterator[None]:
-    """Inside the block, the parameter groups hold the values of ``key`` (a :class:`GroupSettings` key,
-    from :func:`shadow_settings`) where theirs differ; their own values are put back after it.
-    A one-element tensor value (a ``capturable`` lr) gets a new tensor of its dtype and device."""
+    """Inside the block, the parameter groups hold the values of ``key`` (a :class:`GroupSettings` key, from
+    :func:`shadow_settings`) where theirs differ; their own values are put back after it. A one-element tensor value
+    (a ``capturable`` lr) gets a new tensor of its dtype and device."""
     saved: list[tuple[MutableMapping[str, Any], str, Any]] = []
     for group, items in zip(groups, key or ()):
         for k, v in items:

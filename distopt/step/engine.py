@@ -1,43 +1,14 @@
 """The step engine: the step header, the bucket layout, and the step's pipeline, for any strategy.
 
-Per step, the engine
-
-1. agrees with the other ranks on the step (one small all-gather, the "step
-   header": digests of the parameter shapes/dtypes and of the strategy's
-   settings, whether this rank's parameter list changed, whether it is inside
-   ``join()``, and, when the gradients are already known (a step called
-   after backward), whether any is missing or not finite; the local
-   optimizer's hyper-parameters, compared among the ranks that step: a
-   joined rank's shadow step takes the stepping ranks' values for its update,
-   :func:`~distopt.step.agreement.shadow_settings`). Different digests raise
-   :class:`~distopt.errors.CollectiveMismatchError` on every rank naming
-   the first difference (so ranks on different strategies or models never
-   exchange garbage); a changed parameter list on any rank makes every rank
-   take rank 0's parameters (first step, parameters added, removed or
-   resized) and lays the buckets out anew, with new buffers;
-2. returns one :class:`~distopt.step.pipeline.BucketPipeline` for the
-   strategy's bucket reductions, holding the header's outcome;
-3. the pipeline completes itself (:meth:`~distopt.step.pipeline.BucketPipeline.complete`):
-   it agrees on which gradients exist, how many ranks contribute and whether
-   to skip the step (:class:`~distopt.step.outcome.Agreement`), then
-   completes the buckets. That takes one more small
-   all-reduce only when the header could not settle it: a gradient missing
-   on some rank, a rank inside ``join()``, or gradients not known at the
-   header (overlap) that the reduction cannot settle. It can (host arrays,
-   ``check_finite`` off, no sharding, nobody joined): the reduced gradients
-   are bitwise the same on every rank and one nobody had is all zeros, so
-   every rank gives the same answer to "is a reduced gradient all zeros?"
-   (read from its start, one element as a rule), and only a yes costs the
-   flags. A steady-state step costs one control
-   collective, overlapped or not. A sync that votes on the reduced values at
-   every step (``zero=2``: each rank sees only its segments) carries the
-   flags in that vote (:meth:`~distopt.step.outcome.Agreement.on_reduced`):
-   two control collectives per step.
-
-Averaging independent random inits would shrink them, so parameters are
-broadcast from rank 0, never averaged. Every collective error carries the
-step number and where it happened (bucket i of n).
-"""
+Per step (the data flow of ``docs/design.md``) the ranks all-gather one small "step header": digests of the parameter
+shapes/dtypes, of the strategy's settings and of the local optimizer's hyper-parameters (compared among the stepping
+ranks only: :func:`~distopt.step.agreement.shadow_settings`), whether this rank's parameter list changed, whether it is
+inside ``join()`` and, for gradients already known, whether one is missing or not finite. Different digests raise
+:class:`~distopt.errors.CollectiveMismatchError` on every rank naming the first difference; a changed parameter list on
+any rank makes every rank take rank 0's parameters (broadcast, never averaged: averaging independent random inits would
+shrink them) and lays the buckets out anew. The step's :class:`~distopt.step.pipeline.BucketPipeline` then needs one
+more small all-reduce only when the header could not settle the step: a steady-state step costs one control collective,
+overlapped or not (``zero=2``, whose vote on the reduced values carries the flags: two)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,14 +38,10 @@ FIRST_BUCKET = 262144
 
 @dataclass
 class _Layout:
-    """One bucket layout of the current parameter list, with its packing buffers.
-
-    ``buffers`` holds, per bucket, its flat buffer (``bucket.size``
-    elements of ``bucket.dtype``) or None until one is needed, allocated
-    once and kept while the layout lives; with ``gradient_as_bucket_view``
-    they are the gradients' memory (each ``.grad`` a view into one),
-    allocated by the PyTorch adapter.
-    """
+    """One bucket layout of the current parameter list, with its packing buffers. ``buffers`` holds, per bucket, its
+    flat buffer (``bucket.size`` elements of ``bucket.dtype``) or None until one is needed, kept while the layout lives;
+    with ``gradient_as_bucket_view`` they are the gradients' memory (each ``.grad`` a view into one), allocated by the
+    PyTorch adapter."""
 
     key: int
     buckets: list[Bucket]
@@ -91,15 +58,12 @@ class Engine:
     Args:
         comm: the communicator.
         buff_size: capacity of a fusion buffer in ELEMENTS (>= 1).
-        check_finite: skip a step on every rank when any rank's gradient
-            has a NaN or inf.
+        check_finite: skip a step on every rank when any rank's gradient has a NaN or inf.
         counters: the counters to update (``DistOpt.stats``).
-        divide_by_initial_world_size: while some ranks have joined, divide
-            the sum by the world size (PyTorch DDP's default: joined ranks
-            contribute zeros); False divides by the ranks that contributed.
-        sync: what the step does with each bucket's reduction
-            (:mod:`distopt.sharding.sync`): all-reduce (the default) or,
-            sharded, reduce-scatter.
+        divide_by_initial_world_size: while some ranks have joined, divide the sum by the world size (PyTorch DDP's
+            default: joined ranks contribute zeros); False divides by the ranks that contributed.
+        sync: what the step does with each bucket's reduction (:mod:`distopt.sharding.sync`): all-reduce (the
+            default) or, sharded, reduce-scatter.
     """
 
     def __init__(self, comm: Communicator, buff_size: int, check_finite: bool, counters: Counters,
@@ -118,7 +82,6 @@ class Engine:
         #: module position -> name, for its error. None: a plain all-gather.
         self.frame_names: Callable[[], Mapping[int, str]] | None = None
 
-    # ------------------------------------------------- parameters and layout
     def broadcast_params(self, params: Sequence[Any], settings: Mapping[str, Any],
                          names: Sequence[str] | None = None) -> None:
         """Check that all ranks hold the same parameters and ``settings``, then take rank 0's values
@@ -139,14 +102,12 @@ class Engine:
             self._specs, self._layouts = specs, {}
 
     def known(self, params: Sequence[Any]) -> None:
-        """Take ``params`` (arrays, or stand-ins of their shapes and dtypes) as the parameter list already
-        identical on every rank, so its first step broadcasts nothing (stage 3 keeps rank 0's values
-        sharded from construction on)."""
+        """Take ``params`` (arrays, or stand-ins of their shapes and dtypes) as the parameter list already identical
+        on every rank, so its first step broadcasts nothing (stage 3 keeps rank 0's values sharded from the start)."""
         self._specs, self._layouts = tuple((p.shape, p.dtype) for p in params), {}
 
     def float_buckets(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int) -> list[Bucket]:
-        """The float buckets a step of ``strategy`` over ``params`` (shapes and dtypes) lays out, with
-        ``threshold`` in ELEMENTS as :meth:`begin` resolves it."""
+        """The float buckets a step of ``strategy`` over ``params`` lays out (``threshold`` in ELEMENTS, resolved)."""
         if not strategy.reduces:
             return []
         reverse = strategy.supports_overlap
@@ -158,8 +119,7 @@ class Engine:
     def _agree(self, strategy: GradientStrategy, params: list[Any], threshold: int, joined: bool,
                grads: Sequence[Any] | None, groups: GroupSettings | None,
                shadow: bool = False, names: Sequence[str] | None = None) -> tuple[_Layout, Outcome | None]:
-        """The step header (see the module docs); returns the layout for this step, and the step's
-        outcome when the header settled it."""
+        """The step header (see the module docs): this step's layout, and its outcome when the header settled it."""
         reverse = strategy.supports_overlap
         specs = tuple((p.shape, p.dtype) for p in params)  # dtype objects: str() per step is costly
         full = {"world_size": self.comm.size, "buffSize": self.buff_size, "threshold": threshold,
@@ -209,31 +169,29 @@ class Engine:
             settled = Pending(present, self.comm.size, False)
         return self._layouts[slot], settled
 
-    # ------------------------------------------------------------- the step
     def begin(self, strategy: GradientStrategy, params: Sequence[Any], threshold: int | None,
               joined: bool = False, views: bool = True, grads: Sequence[Any] | None = None,
               bucket_view: bool = False, groups: GroupSettings | None = None,
               shadow: bool = False, names: Sequence[str] | None = None) -> BucketPipeline:
         """Agree on the step, then return its pipeline (buckets may start at once: overlap).
 
-        ``threshold``: elements above which a parameter is a bucket of its
-        own; None means the strategy's ``default_threshold``.
-
-        ``joined``: this rank is inside ``join()`` (stepping or shadowing).
-        ``views``, ``bucket_view``: see :class:`~distopt.step.pipeline.BucketPipeline`
-        (with ``bucket_view`` the caller fills the layout's buffers,
-        ``pipeline.buffers``, before the first gradient is ready).
-        ``grads``: the step's gradients when backward has already run (the
-        header then settles the step's outcome); None during backward.
-        ``groups``: the local optimizer's hyper-parameters, compared across
-        ranks in the same header.
-        ``shadow``: a joined rank's shadow step: its ``groups`` are not
-        compared; :attr:`adopted` holds the stepping ranks' where they differ.
-        ``names``: the parameters' names (module paths), for the errors.
+        Args:
+            threshold: ELEMENTS above which a parameter is a bucket of its own; None: the strategy's
+                ``default_threshold``.
+            joined: this rank is inside ``join()`` (stepping or shadowing).
+            views: see :class:`~distopt.step.pipeline.BucketPipeline`.
+            bucket_view: see :class:`~distopt.step.pipeline.BucketPipeline`; the caller fills the layout's buffers,
+                ``pipeline.buffers``, before the first gradient is ready.
+            grads: the step's gradients when backward has already run (the header then settles the step's
+                outcome); None during backward.
+            groups: the local optimizer's hyper-parameters, compared across ranks in the same header.
+            shadow: a joined rank's shadow step: its ``groups`` are not compared; :attr:`adopted` holds the stepping
+                ranks' where they differ.
+            names: the parameters' names (module paths), for the errors.
 
         Raises:
-            CollectiveMismatchError: parameters or settings (the optimizer's
-                included) differ across ranks, on every rank, naming the first.
+            CollectiveMismatchError: parameters or settings (the optimizer's included) differ across ranks, on every
+                rank, naming the first.
             ValueError: a rank has joined and the strategy does not support ``join``.
         """
         params = list(params)

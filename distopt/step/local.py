@@ -1,15 +1,11 @@
-"""The local optimizer behind DistOpt, behind one interface.
-
-Two kinds exist: optimizers on arrays (:class:`ArrayOptimizer`: :class:`distopt.SGD`
-or any object with ``update(param, grad)``), where the caller passes
-parameters and gradients to every step, and PyTorch optimizers
-(:class:`distopt.torch.adapter.TorchOptimizer`), which own their tensors.
-The step runner only talks to :class:`LocalOptimizer`.
-"""
+"""The local optimizer behind DistOpt, behind one interface. Two kinds exist: optimizers on arrays
+(:class:`ArrayOptimizer`: :class:`distopt.SGD` or any object with ``update(param, grad)``), where the caller passes
+parameters and gradients to every step, and PyTorch optimizers (:class:`distopt.torch.adapter.TorchOptimizer`), which
+own their tensors. The step runner only talks to :class:`LocalOptimizer`."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["LocalOptimizer", "ArrayOptimizer", "checked_pairs"]
 
@@ -20,8 +16,8 @@ class LocalOptimizer(ABC):
     """What DistOpt needs from a local optimizer."""
 
     def arrays(self) -> list[Any] | None:
-        """The parameter arrays the optimizer owns (shared memory with the model), or None when the
-        caller passes parameters to every step."""
+        """The parameter arrays the optimizer owns (shared memory with the model), or None when the caller passes
+        parameters to every step."""
         return None
 
     @abstractmethod
@@ -34,13 +30,13 @@ class LocalOptimizer(ABC):
 
     @abstractmethod
     def momentum_factors(self) -> list[tuple[str, float]]:
-        """``(where, value)`` of every momentum setting, e.g. ``("distopt.SGD.momentum", 0.9)``; empty
-        for an optimizer without one (DGC refuses a non-zero one)."""
+        """``(where, value)`` of every momentum setting, e.g. ``("distopt.SGD.momentum", 0.9)``; empty for an
+        optimizer without one (DGC refuses a non-zero one)."""
 
     @abstractmethod
     def hyper_parameters(self) -> list[dict[str, Any]]:
-        """Per parameter group, the settings every rank must share (lr, momentum, weight decay, betas,
-        eps, ...; not the parameters), compared across ranks in every step header."""
+        """Per parameter group, the settings every rank must share (lr, momentum, weight decay, betas, eps, ...; not
+        the parameters), compared across ranks in every step header."""
 
     def remember(self, params: Sequence[Any]) -> None:  # noqa: B027 (optional hook)
         """Record the shared parameter order (array models: from ``sync_params`` or a step)."""
@@ -66,12 +62,9 @@ class LocalOptimizer(ABC):
 
 
 class ArrayOptimizer(LocalOptimizer):
-    """Local optimizer on arrays: anything with ``update(param, grad)`` (arrays updated in place).
-
-    An array model's loss is any object whose ``backward()`` yields
-    ``(param, grad)`` pairs; once the shared order is known (from
-    ``sync_params`` or an earlier step) the pairs may arrive in any order.
-    """
+    """Local optimizer on arrays: anything with ``update(param, grad)`` (arrays updated in place). An array model's loss
+    is any object whose ``backward()`` yields ``(param, grad)`` pairs; once the shared order is known (from
+    ``sync_params`` or an earlier step) the pairs may arrive in any order."""
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
@@ -82,7 +75,8 @@ class ArrayOptimizer(LocalOptimizer):
 
     def backward(self, loss: Any) -> tuple[list[Any], list[Any]]:
         """Run ``loss.backward()``; return ``(params, grads)`` in the shared parameter order."""
-        params, grads = _pairs(loss.backward())
+        pairs = [(p, g) for p, g in loss.backward()]
+        params, grads = [p for p, _ in pairs], [g for _, g in pairs]
         known = self.known
         if known is not None and len(params) == len(known):
             index_of = {id(p): i for i, p in enumerate(known)}
@@ -97,10 +91,9 @@ class ArrayOptimizer(LocalOptimizer):
                             ) -> tuple[list[Any], list[Any], Any] | None:
         """Run backward while handing each final gradient to a bucket pipeline.
 
-        ``begin(params)`` returns the step's :class:`~distopt.step.pipeline.BucketPipeline`
-        (a collective: every rank calls it at the same point). Returns
-        ``(params, grads, pipeline)``, or None when the shared order is not
-        known yet (nothing has run then).
+        ``begin(params)`` returns the step's :class:`~distopt.step.pipeline.BucketPipeline` (a collective: every rank
+        calls it at the same point). Returns ``(params, grads, pipeline)``, or None when the shared order is not known
+        yet (nothing has run then).
 
         Raises:
             ValueError: a parameter outside the shared order arrived.
@@ -133,8 +126,8 @@ class ArrayOptimizer(LocalOptimizer):
         return [self.opt.momentum_buffer(p) for p in params]
 
     def hyper_parameters(self) -> list[dict[str, Any]]:
-        """One group: the optimizer's ``lr``, ``momentum``, ``weight_decay``, ``dampening``, ``nesterov``,
-        ``betas`` and ``eps`` attributes, those it has."""
+        """One group: the optimizer's ``lr``, ``momentum``, ``weight_decay``, ``dampening``, ``nesterov``, ``betas``
+        and ``eps`` attributes, those it has."""
         return [{k: getattr(self.opt, k) for k in _HYPER if hasattr(self.opt, k)}]
 
     def momentum_factors(self) -> list[tuple[str, float]]:
@@ -154,15 +147,6 @@ class ArrayOptimizer(LocalOptimizer):
     def load_state_dict(self, state: Any) -> None:
         if state is not None:
             self.opt.load_state_dict(state)
-
-
-def _pairs(pairs: Iterable[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
-    params: list[Any] = []
-    grads: list[Any] = []
-    for p, g in pairs:
-        params.append(p)
-        grads.append(g)
-    return params, grads
 
 
 def checked_pairs(params: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Any], list[Any]]:

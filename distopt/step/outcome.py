@@ -1,13 +1,5 @@
-"""The ranks' agreement on a step: its outcome, and the small collectives that settle it.
-
-The step header (:class:`~distopt.step.engine.Engine`) settles a step when
-it can; otherwise the pipeline completing the step asks its
-:class:`Agreement` for one small all-reduce of gradient flags
-(:meth:`Agreement.on_gradients`) or, after the reduction, one vote on the
-reduced values (:meth:`Agreement.vote`), or both in one all-reduce after the
-reduction (:meth:`Agreement.on_reduced`). Every collective error carries the
-step number and where it happened (:meth:`Agreement.context`).
-"""
+"""The ranks' agreement on a step: its outcome, and the small collectives that settle it when the step header
+(:class:`~distopt.step.engine.Engine`) could not."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -31,10 +23,8 @@ class Outcome:
 
     Attributes:
         present: per parameter, True when some rank had a (float) gradient.
-        active: ranks that contributed (fewer than the world size while
-            some have joined; 0 when every rank has joined).
-        skipped: ``check_finite`` found a NaN or inf on some rank: every
-            rank skips the update.
+        active: ranks that contributed (fewer than the world size while some have joined; 0 when every rank has).
+        skipped: ``check_finite`` found a NaN or inf on some rank: every rank skips the update.
     """
 
     present: list[bool]
@@ -48,8 +38,8 @@ class Outcome:
 
 
 class Pending(Outcome):
-    """The header's outcome of a step whose reduction settles which gradients exist (nobody joined; host
-    arrays and no ``check_finite``, or a sync that votes at every step: see :mod:`distopt.step.engine`)."""
+    """The header's outcome of a step whose reduction settles which gradients exist (nobody joined; host arrays and no
+    ``check_finite``, or a sync that votes at every step: see :mod:`distopt.step.engine`)."""
 
 
 def not_finite(grads: Sequence[Any]) -> bool:
@@ -64,8 +54,8 @@ class Agreement:
         comm: the communicator.
         counters: the step counters (``control_collectives``, ``skipped_steps``, ``steps``).
         check_finite: a NaN or inf on any rank skips the step on every rank.
-        divide_by_initial_world_size: while some ranks have joined, divide
-            by the world size (DDP's default); False divides by the active ranks.
+        divide_by_initial_world_size: while some ranks have joined, divide by the world size (DDP's default); False
+            divides by the active ranks.
     """
 
     def __init__(self, comm: Communicator, counters: Counters, check_finite: bool,
@@ -75,8 +65,8 @@ class Agreement:
 
     @contextmanager
     def context(self, where: str | Callable[[], str]) -> Iterator[None]:
-        """Prefix a collective error with the step number and ``where`` it happened (a string, or a
-        function building it, called only on an error)."""
+        """Prefix a collective error with the step number and ``where`` it happened (a string, or a function building
+        it, called only on an error)."""
         try:
             yield
         except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
@@ -91,34 +81,25 @@ class Agreement:
 
     def on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
                      settled: Outcome | None = None) -> Outcome:
-        """Per parameter, whether some rank has a gradient; how many ranks are active (not joined);
-        whether any rank saw a non-finite gradient (only with ``check_finite``).
-
-        ``settled``: the outcome the step header already agreed on (no
-        collective then); None runs one small all-reduce (``len(params) + 2``
-        int32 flags).
-        """
-        if settled is not None:
-            outcome = Outcome(list(settled.present), settled.active, settled.skipped)
-        else:
-            outcome, _ = self._flags(params, grads, active, None)
-        if outcome.skipped:
+        """Per parameter, whether some rank has a gradient; how many ranks are active (not joined); whether any rank saw
+        a non-finite gradient (only with ``check_finite``). ``settled``: the outcome the step header already agreed on
+        (no collective then); None runs one small all-reduce (``len(params) + 2`` int32 flags)."""
+        if settled is None:
+            return self._flags(params, grads, active, None)[0]
+        if settled.skipped:
             self.counters.skipped_steps += 1
-        return outcome
+        return Outcome(list(settled.present), settled.active, settled.skipped)
 
     def on_reduced(self, params: Sequence[Any], grads: Sequence[Any], active: bool, bad: bool) -> tuple[Outcome, bool]:
-        """:meth:`on_gradients` and :meth:`vote` in one all-reduce, after the reduction (``grads``: this
-        rank's own gradients, None where it had none; ``bad``: this rank's vote on its reduced values).
-        Returns the outcome and whether some rank's ``bad`` was set (``len(params) + 3`` int32 flags)."""
-        outcome, bad_anywhere = self._flags(params, grads, active, bad)
-        if outcome.skipped:
-            self.counters.skipped_steps += 1
-        return outcome, bad_anywhere
+        """:meth:`on_gradients` and :meth:`vote` in one all-reduce, after the reduction (``grads``: this rank's own
+        gradients, None where it had none; ``bad``: this rank's vote on its reduced values). Returns the outcome and
+        whether some rank's ``bad`` was set (``len(params) + 3`` int32 flags)."""
+        return self._flags(params, grads, active, bad)
 
     def _flags(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
                bad: bool | None) -> tuple[Outcome, bool]:
-        """The flags' all-reduce (sum): gradient present per parameter, active, not finite (with
-        ``check_finite``), and, when ``bad`` is given, the vote on the reduced values."""
+        """The flags' all-reduce (sum): gradient present per parameter, active, not finite (with ``check_finite``),
+        and, when ``bad`` is given, the vote on the reduced values; counts a skipped step."""
         extra = bad is not None
         flags = np.zeros(len(params) + 2 + extra, dtype=np.int32)
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -132,6 +113,7 @@ class Agreement:
         with self.context("agreement on gradients present" + (" and the reduced gradient finite" if extra else "")):
             self.comm.all_reduce(flags, op="sum")
         self.counters.control_collectives += 1
+        self.counters.skipped_steps += bool(flags[n + 1])
         return Outcome([bool(c) for c in flags[:n]], int(flags[n]), bool(flags[n + 1])), bool(extra and flags[n + 2])
 
     def vote(self, bad: bool) -> bool:
@@ -143,8 +125,8 @@ class Agreement:
         return bool(flag[0])
 
     def all_present(self, params: Sequence[Any]) -> Outcome:
-        """Every float parameter has a gradient on every rank (no rank joined): the outcome of a step the
-        reduced values settled without another collective."""
+        """Every float parameter has a gradient on every rank (no rank joined): the outcome of a step the reduced
+        values settled without another collective."""
         return Outcome([is_float(p) for p in params], self.comm.size, False)
 
     def skip(self, outcome: Outcome) -> None:

@@ -1,19 +1,11 @@
 """One step's bucket reductions, started in bucket order as gradients become ready.
 
-:class:`BucketPipeline` receives gradients one by one (:meth:`ready`, from
-PyTorch's post-accumulate-grad hooks or from a generator of ``(param,
-grad)`` pairs) and starts a bucket's reduction as soon as the bucket is
-complete AND every earlier bucket has been started, so all ranks start the
-same reductions in the same order whatever order their gradients arrive in
-(no deadlock). After backward, :meth:`launch_rest` starts the remaining
-buckets (missing gradients as zeros) and :meth:`finish` completes them,
-divides by the number of contributing ranks and unpacks. A step without
-overlap runs the same pipeline with every bucket started after backward, so
-both paths issue identical collectives and give bitwise identical results.
-
-Asynchrony per backend: MPI ``Iallreduce`` (progressed by ``test()`` from
-the hooks), NCCL enqueued on its stream, shared memory on one worker thread
-(NumPy releases the GIL while it reduces).
+:class:`BucketPipeline` receives gradients one by one (:meth:`ready`, from PyTorch's post-accumulate-grad hooks or
+from a generator of ``(param, grad)`` pairs) and starts a bucket's reduction as soon as the bucket is complete AND
+every earlier bucket has been started, so all ranks start the same reductions in the same order whatever order their
+gradients arrive in (no deadlock). A step without overlap runs the same pipeline with every bucket started after
+backward: identical collectives, bitwise identical results. Asynchrony per backend: MPI ``Iallreduce`` (progressed by
+``test()`` from the hooks), NCCL enqueued on its stream, shared memory on one worker thread.
 """
 from __future__ import annotations
 
@@ -36,45 +28,29 @@ __all__ = ["BucketPipeline", "IN_FLIGHT"]
 IN_FLIGHT = 1
 
 
-def _test(started: Any) -> None:
-    """Progress a started reduction (MPI needs test() calls to move while backward runs)."""
-    test = getattr(started, "test", None)
-    if test is not None:
-        test()
-
-
 class BucketPipeline:
     """One step's reductions over a fixed bucket layout.
 
     Args:
         strategy: how each bucket is reduced.
         buckets: the float buckets of the layout (identical on every rank).
-        buffers: the layout's reusable packing buffers, one per bucket index
-            (filled here; they belong to this layout only).
+        buffers: the layout's reusable packing buffers, one per bucket index (filled here; this layout's only).
         key: the layout's key (for per-bucket strategy state).
         params: the parameters (dtype and device of new buffers).
         launch: the :class:`Launcher`.
         comm: the communicator.
         counters: the step counters.
-        agreement: the step's :class:`~distopt.step.outcome.Agreement` (its
-            small collectives, and ``context(where)``, which wraps collective
-            errors with the step and the bucket).
-        views: reduce a lone contiguous gradient in place (no copy). False
-            packs every bucket into a buffer the pipeline owns, so that a
-            reduction abandoned by an exception in backward never writes
-            into gradient memory the user has since reused.
-        bucket_view: the gradients already live in ``buffers``, one buffer
-            per bucket index, allocated by the caller (PyTorch's
-            ``gradient_as_bucket_view``: each ``.grad`` is a view into its
-            bucket). Every bucket is reduced in place in its buffer; nothing
-            is packed or unpacked, except that the slot of a missing (None)
-            gradient is zeroed.
-        settled: the engine's ``Outcome`` when the step header already
-            settled the step (gradients known, present and finite
-            everywhere), else None.
-        sync: the step's :class:`~distopt.sharding.sync.StepSync`: each
-            bucket's collective, and where its result lands (the gradients,
-            or this rank's segment of a sharded step).
+        agreement: the step's :class:`~distopt.step.outcome.Agreement` (its small collectives, and
+            ``context(where)``, which wraps collective errors with the step and the bucket).
+        views: reduce a lone contiguous gradient in place (no copy). False packs every bucket into a buffer the
+            pipeline owns, so that a reduction abandoned by an exception in backward never writes into gradient
+            memory the user has since reused.
+        bucket_view: the gradients already live in ``buffers``, allocated by the caller (PyTorch's
+            ``gradient_as_bucket_view``: each ``.grad`` is a view into its bucket). Every bucket is reduced in place
+            in its buffer; nothing is packed or unpacked, except that the slot of a missing (None) gradient is zeroed.
+        settled: the engine's ``Outcome`` when the step header already settled the step, else None.
+        sync: the step's :class:`~distopt.sharding.sync.StepSync`: each bucket's collective, and where its result
+            lands (the gradients, or this rank's segment of a sharded step).
     """
 
     def __init__(self, strategy: Strategy, buckets: Sequence[Bucket], buffers: list[Any], key: int,
@@ -98,12 +74,9 @@ class BucketPipeline:
         return BucketContext(run.index, len(self.runs), self.key, run.bucket, run.viewed, self.comm,
                              self.sync.launcher(run.index), self.counters, self.sync.out(run))
 
-    def _where(self, run: BucketRun) -> str:
-        return run.describe(len(self.runs))
-
     def _flat(self, run: BucketRun, grad: Any) -> None:
-        """Give ``run`` its flat buffer: a lone contiguous gradient itself, else the layout's packing buffer
-        (with ``bucket_view``, the layout's buffer, which holds the gradients: ``viewed``)."""
+        """Give ``run`` its flat buffer: a lone contiguous gradient itself, else the layout's buffer (with
+        ``bucket_view`` it holds the gradients: ``viewed``)."""
         if run.flat is not None:
             return
         bucket, b = run.bucket, run.index
@@ -134,7 +107,9 @@ class BucketPipeline:
         while self.next < len(self.runs) and self.runs[self.next].missing == 0:
             self._start(self.runs[self.next])
         for run in self.runs[:self.next]:
-            _test(run.handle)
+            test = getattr(run.handle, "test", None)
+            if test is not None:  # MPI needs test() calls to progress a reduction while backward runs
+                test()
             kept = self.sync.poll(run) if run.state is RunState.STARTED else None
             if kept is not None:  # the sync holds the result: the bucket's buffer may go
                 run.handle, run.state = kept, RunState.HELD
@@ -145,28 +120,20 @@ class BucketPipeline:
         return profile_range(f"distopt.{self.strategy.name} {phase} bucket {run.index + 1}/{len(self.runs)}")
 
     def _start(self, run: BucketRun) -> None:
-        with self.context(lambda: self._where(run)), self._range(run, "start"):
+        with self.context(lambda: run.describe(len(self.runs))), self._range(run, "start"):
             run.handle = self.strategy.start(self._ctx(run), run.flat)
         run.state = RunState.STARTED
         self.next = run.index + 1
 
     def complete(self, grads: list[Any], active: bool = True) -> Outcome:
-        """Start the buckets not started yet, agree on the step, then average ``grads`` in place (collective).
-
-        A missing gradient counts as zero; a parameter with no gradient on
-        any rank is reported absent; integer and boolean parameters are
-        never reduced. A step skipped before the reduction (a rank's own
-        gradient is not finite) writes nothing.
-
-        With ``check_finite`` the decision is also taken on the REDUCED
-        gradient (an overflowing half-precision sum of finite inputs), with
-        one more one-element all-reduce so every rank decides the same; the
-        averaged (non-finite) values are then left in ``grads``.
-
-        A step the header left pending (:class:`~distopt.step.outcome.Pending`)
-        completes the buckets first, then settles which gradients exist from
-        the reduced ones.
-        """
+        """Start the buckets not started yet, agree on the step, then average ``grads`` in place (collective). A missing
+        gradient counts as zero; a parameter with no gradient on any rank is reported absent; integer and boolean
+        parameters are never reduced. A step skipped before the reduction (a rank's own gradient is not finite) writes
+        nothing. With ``check_finite`` the decision is also taken on the REDUCED gradient (an overflowing half-precision
+        sum of finite inputs), with one more one-element all-reduce so every rank decides the same; the averaged
+        (non-finite) values are then left in ``grads``. A step the header left pending
+        (:class:`~distopt.step.outcome.Pending`) completes the buckets first, then settles which gradients exist from
+        the reduced ones."""
         agreement, settled = self.agreement, self.settled
         if settled is not None and not settled.applies:  # skipped before any reduction
             return agreement.on_gradients(self.params, grads, active, settled)
@@ -183,8 +150,8 @@ class BucketPipeline:
         return outcome
 
     def _settle_from_reduced(self, grads: list[Any], active: bool) -> Outcome:
-        """Finish a pending step's buckets (nobody joined: divided by the world size), then let the step's
-        sync settle its outcome from the reduced values (:meth:`~distopt.sharding.sync.StepSync.settle_pending`)."""
+        """Finish a pending step's buckets (nobody joined: divided by the world size), then let the step's sync settle
+        its outcome from the reduced values (:meth:`~distopt.sharding.sync.StepSync.settle_pending`)."""
         own = list(grads)  # this rank's own gradients (None where it had none)
         self.finish(grads, self.comm.size)
         return self.sync.settle_pending(self.agreement, self.params, own, lambda i: self._reduced(i, grads), active)
@@ -197,13 +164,10 @@ class BucketPipeline:
         return run.flat[s.offset:s.offset + s.size]
 
     def launch_rest(self, grads: Sequence[Any]) -> None:
-        """Start every bucket not started yet, in order; missing gradients pack as zeros.
-
-        At most :data:`IN_FLIGHT` reductions run at once from here on: MPI
-        moves many concurrent large all-reduces slower than a short queue.
-        On a thread-backed communicator every started reduction has ended
-        when this returns (one thread at a time may use the communicator).
-        """
+        """Start every bucket not started yet, in order; missing gradients pack as zeros. At most :data:`IN_FLIGHT`
+        reductions run at once from here on: MPI moves many concurrent large all-reduces slower than a short queue. On a
+        thread-backed communicator every started reduction has ended when this returns (one thread at a time may use the
+        communicator)."""
         for index in self.where:
             if index not in self.marked:
                 self._put(index, grads[index])
@@ -218,21 +182,19 @@ class BucketPipeline:
     def _wait(self, run: BucketRun) -> None:
         wait = getattr(run.handle, "wait", None)
         if wait is not None:
-            with self.context(lambda: self._where(run)):
+            with self.context(lambda: run.describe(len(self.runs))):
                 wait()
 
     def finish(self, grads: list[Any], divisor: int) -> None:
         """Complete every bucket and average over ``divisor`` ranks.
 
-        Each bucket's result lands where the step's sync puts it
-        (:meth:`~distopt.sharding.sync.StepSync.land`: unpacked into
-        ``grads``, a None entry receiving a new array, or kept as this
-        rank's segment). Adds the bytes sent to
-        ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``,
-        then signals the strategy's :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
+        Each bucket's result lands where the step's sync puts it (:meth:`~distopt.sharding.sync.StepSync.land`:
+        unpacked into ``grads``, a None entry receiving a new array, or kept as this rank's segment). Adds the bytes
+        sent to ``counters.wire_bytes`` and the dense equivalent to ``dense_bytes``, then signals the strategy's
+        :meth:`~distopt.strategies.GradientStrategy.end_of_step`.
         """
         for run in self.runs:
-            with self.context(lambda: self._where(run)), self._range(run, "finish"):
+            with self.context(lambda: run.describe(len(self.runs))), self._range(run, "finish"):
                 done = self.strategy.finish(self._ctx(run), run.flat, run.handle, divisor)
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += run.bucket.size * run.bucket.dtype.itemsize
@@ -244,6 +206,6 @@ class BucketPipeline:
     def abandon(self) -> None:
         """Complete started reductions without using them (a skipped step)."""
         for run in self.runs[:self.next]:
-            with self.context(lambda: self._where(run)):
+            with self.context(lambda: run.describe(len(self.runs))):
                 self.strategy.abandon(run.handle)
 

@@ -1,22 +1,9 @@
 """The step runner: the one path every step takes, whichever route calls it.
 
-Routes (all end here):
-
-* SINGA's methods and ``DistOpt.step(params, grads)`` on array models call
-  :meth:`StepRunner.run`; an array loss whose ``backward()`` yields
-  ``(param, grad)`` pairs calls :meth:`StepRunner.backward_run`;
-* PyTorch's ``loss.backward()``: the post-accumulate-grad hooks hand each
-  final gradient to the follower (:mod:`distopt.torch.follower`), which
-  calls :meth:`StepRunner.begin` and :meth:`StepRunner.complete`, and its
-  step post-hook calls :meth:`StepRunner.finish_step`;
-* ``join()``'s shadow loop (:meth:`StepRunner.join`) repeats the last step
-  with zero gradients, through the same calls.
-
-The runner owns the strategy set, the accumulator, the last step, the join
-state, the engine and the local optimizer. Steps are counted, and a
-:class:`~distopt.strategies.ParameterAverager`'s after-update runs, in one
-place: :meth:`StepRunner.finish_step`.
-"""
+SINGA's methods and ``DistOpt.step(params, grads)`` on array models call :meth:`StepRunner.run` (an array loss whose
+``backward()`` yields ``(param, grad)`` pairs: :meth:`StepRunner.backward_run`); PyTorch's post-accumulate-grad hooks
+hand each final gradient to the follower (:mod:`distopt.torch.follower`), which calls :meth:`StepRunner.begin` and
+:meth:`StepRunner.complete`, and its step post-hook :meth:`StepRunner.finish_step`, the one place steps are counted."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -44,8 +31,8 @@ class JoinResult:
     """What ``with opt.join() as result:`` reports once the block has ended, on every rank.
 
     Attributes:
-        last_joined: the rank that joined last (the highest such rank when
-            several joined at the same step), as Horovod's ``join()`` returns.
+        last_joined: the rank that joined last (the highest such rank when several joined at the same step), as
+            Horovod's ``join()`` returns.
     """
 
     last_joined: int = -1
@@ -68,10 +55,8 @@ class StepRunner:
         local: the local optimizer.
         strategies: the held strategy and SINGA's per-call ones.
         counters: ``DistOpt.stats``.
-        overlap: start buckets during an array loss's backward (strategies
-            that support it).
-        accumulator: micro-batch accumulation of array models
-            (``backward_passes_per_step > 1``), or None.
+        overlap: start buckets during an array loss's backward (strategies that support it).
+        accumulator: micro-batch accumulation of array models (``backward_passes_per_step > 1``), or None.
 
     Attributes:
         active_strategy: the strategy the last step used.
@@ -94,10 +79,6 @@ class StepRunner:
         """The held strategy (``step()``, ``backward_and_update``, ``loss.backward()``)."""
         return self.strategies.held
 
-    def per_call(self, strategy: Strategy) -> Strategy:
-        """The strategy a SINGA method uses (see :meth:`StrategySet.per_call`)."""
-        return self.strategies.per_call(strategy)
-
     def _prepare(self, strategy: Strategy) -> None:
         """Make ``strategy`` the active one with its restored state; validate it (no communication)."""
         self.engine.sync.check(strategy)
@@ -107,35 +88,25 @@ class StepRunner:
         strategy.bind(self.engine.comm.size, self.local)
         self._groups = group_settings(self.local.hyper_parameters(), self._groups)
 
-    # ------------------------------------------------- the step, in parts
     def begin(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, *,
               views: bool = True, grads: Sequence[Any] | None = None, bucket_view: bool = False,
               shadow: bool = False, names: Sequence[str] | None = None) -> BucketPipeline:
-        """Agree on the step with the other ranks and return the bucket pipeline of ``strategy``'s gradient
-        slot (collective; a parameter averager's has no buckets).
-
-        See :meth:`~distopt.step.engine.Engine.begin` for the arguments.
-        """
+        """Agree on the step with the other ranks and return the bucket pipeline of ``strategy``'s gradient slot
+        (collective; a parameter averager's has no buckets); arguments as :meth:`~distopt.step.engine.Engine.begin`."""
         self._prepare(strategy)
         return self.engine.begin(slots(strategy).gradients, params, threshold, self.joining, views, grads,
                                  bucket_view, self._groups, shadow, names)
 
     def complete(self, pipeline: BucketPipeline, grads: list[Any], active: bool = True) -> Outcome:
-        """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective).
-
-        Counts the buckets started before this call (during backward) in
-        ``buckets_started_in_backward``.
-        """
+        """Finish every bucket of ``pipeline``, averaging ``grads`` in place (collective); counts the buckets started
+        before this call (during backward) in ``buckets_started_in_backward``."""
         self.counters.buckets_started_in_backward += pipeline.next
         sync = pipeline.sync
         self._held = lambda: sync.held_bytes
         return pipeline.complete(grads, active)
 
     def finish_step(self, strategy: Strategy, params: Sequence[Any], threshold: int | None, applied: bool) -> None:
-        """After the local update: count an applied step and run a parameter averager's after-update.
-
-        The one place steps are counted, whichever route ran the step.
-        """
+        """After the local update: count an applied step and run a parameter averager's after-update."""
         if not applied:
             return
         self.counters.steps += 1
@@ -154,14 +125,11 @@ class StepRunner:
         """``optimizer_state_bytes``, ``parameter_bytes`` and ``gradient_bytes`` as of now."""
         self.counters.optimizer_state_bytes = self.local.state_bytes()
         self.counters.parameter_bytes = self.local.param_bytes()
-        held = 0
         layout = self.engine.layout
-        if layout is not None:
-            held = sum(int(b.nbytes) for b in layout.buffers if b is not None)
+        held = 0 if layout is None else sum(int(b.nbytes) for b in layout.buffers if b is not None)
         grads = getattr(self.local, "grad_bytes", None)
         self.counters.gradient_bytes = held + self._held() + (grads() if callable(grads) else 0)
 
-    # ------------------------------------------------------- array models
     def _arrays(self) -> ArrayOptimizer:
         if not isinstance(self.local, ArrayOptimizer):
             raise TypeError("step(params, grads) is for array optimizers; a torch.optim.Optimizer's gradients are "
@@ -180,10 +148,9 @@ class StepRunner:
         local.remember(params)  # the shared order of an array model's later overlapped backward
         self.last = LastStep(strategy, params, threshold)
         if self.accumulator is not None:
-            released = self.accumulator.add(grads)
-            if released is None:
+            grads = self.accumulator.add(grads)
+            if grads is None:
                 return
-            grads = released
         self.step(strategy, params, grads, threshold)
 
     def backward_run(self, strategy: Strategy, loss: Any, threshold: int | None) -> None:
@@ -216,8 +183,7 @@ class StepRunner:
         """Average ``grads`` in place with the held strategy, without updating (see ``DistOpt.average``).
 
         Raises:
-            ValueError: the held strategy averages parameters, not gradients;
-                ``params`` and ``grads`` do not match.
+            ValueError: the held strategy averages parameters, not gradients; ``params`` and ``grads`` do not match.
         """
         strategy = self.strategy
         if not slots(strategy).gradients.reduces:
@@ -228,13 +194,11 @@ class StepRunner:
             return [None] * len(grads)
         return [g if ok else None for g, ok in zip(grads, outcome.present)]
 
-    # ------------------------------------------------ accumulation and join
     def flush(self) -> None:
         """Apply a partial accumulation of array micro-batches now (see ``DistOpt.flush``)."""
         if self.accumulator is None or self.accumulator.count == 0 or self.last is None:
             return
-        last = self.last
-        self.step(last.strategy, last.params, self.accumulator.release(), last.threshold)
+        self.step(self.last.strategy, self.last.params, self.accumulator.release(), self.last.threshold)
 
     def discard_accumulation(self) -> None:
         """Drop a partial accumulation of array micro-batches."""
@@ -248,15 +212,12 @@ class StepRunner:
         """The body of ``DistOpt.join``: mark this rank joined; after the loop, shadow until all joined.
 
         Args:
-            shadow: one shadow step of the PyTorch follower (returns the
-                active ranks), or None for array models (the last step is
-                repeated with zero gradients).
+            shadow: one shadow step of the PyTorch follower (returns the active ranks), or None for array models (the
+                last step is repeated with zero gradients).
             params: an array model's parameters when it ran no step yet.
-            shadow_forward: shadows what the active ranks do before each
-                step (the model's buffer broadcast; returns the active ranks,
-                0 when all joined), or None.
-            after: called on every rank with the last rank to join (the
-                model's final buffer sync), or None.
+            shadow_forward: shadows what the active ranks do before each step (the model's buffer broadcast; returns
+                the active ranks, 0 when all joined), or None.
+            after: called on every rank with the last rank to join (the model's final buffer sync), or None.
 
         Yields:
             A :class:`JoinResult`, filled when the block ends.
@@ -268,10 +229,6 @@ class StepRunner:
         self.joining = True
         try:
             yield result
-        except BaseException:
-            self.joining = False
-            raise
-        try:
             if shadow is None:
                 shadow = self._array_shadow(params)
             first, last = True, False

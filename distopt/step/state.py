@@ -6,6 +6,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from ..core.counters import Counters
 from ..portable import from_portable, to_portable
+from ..sharding.shard_state import ShardStream
 from .local import LocalOptimizer
 from .strategy_set import StrategySet
 
@@ -14,9 +15,11 @@ __all__ = ["StepState", "ShardedStateLike", "STATE_FORMAT"]
 class ShardedStateLike(Protocol):
     """A sharded optimizer's checkpoint state (:class:`distopt.torch.zero.state.ShardedState`)."""
 
-    def state_dict(self, sharded: bool) -> dict[str, Any]: ...
+    def state_dict(self, sharded: bool, params: bool = False) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+    def load_stream(self, stream: ShardStream, split: Any) -> Any: ...
 
     def consolidate(self, to: int) -> None: ...
 
@@ -73,7 +76,7 @@ class StepState:
     def _torch_layout(self) -> bool:
         return hasattr(self.local, "optimizer")
 
-    def state_dict(self, sampler: Any = None, sharded: bool = False) -> dict[str, Any]:
+    def state_dict(self, sampler: Any = None, sharded: bool = False, params: bool = False) -> dict[str, Any]:
         """The local optimizer's, the strategies', the counters' and ``sampler``'s state.
 
         Strategies whose state is per rank (error-feedback residuals) are
@@ -84,17 +87,21 @@ class StepState:
         A sharded optimizer's state is consolidated (collective), or this
         rank's shard with ``sharded`` (see :class:`~distopt.torch.zero.state.ShardedState`).
 
+        With ``params`` (and ``sharded``), the shard holds this rank's elements of the parameters too.
+
         Raises:
-            ValueError: ``sharded=True`` without a sharded torch optimizer.
+            ValueError: ``sharded=True`` without a sharded torch optimizer; ``params=True`` without ``sharded``.
         """
         if sharded and self.sharding is None:
             raise ValueError("sharded=True needs DistOpt(torch_optimizer, zero=1|2|3)")
+        if params and not sharded:
+            raise ValueError("params=True adds this rank's parameter elements to its shard: it needs sharded=True")
         extras: dict[str, Any] = {"format": STATE_FORMAT, "stats": self.counters.state_dict(),
                                   **self.strategies.state_dict()}
         if sampler is not None:
             extras["sampler"] = sampler.state_dict()
         if self._torch_layout():
-            local = self.local.state_dict() if self.sharding is None else self.sharding.state_dict(sharded)
+            local = self.local.state_dict() if self.sharding is None else self.sharding.state_dict(sharded, params)
             groups = [dict(g) for g in local["param_groups"]]
             rank_local = extras.pop("rank_local")
             groups[0]["distopt"] = extras  # identical on every rank: torch.distributed.checkpoint keeps it
@@ -107,9 +114,11 @@ class StepState:
         if self.sharding is not None:
             self.sharding.consolidate(to)
 
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], sampler: Any = None) -> None:
-        """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict; a sharded
-        optimizer also takes the list of every rank's ``state_dict(sharded=True)`` (any world size).
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]] | ShardStream,
+                        sampler: Any = None) -> None:
+        """Restore :meth:`state_dict` output, or (PyTorch) a plain torch optimizer's state dict; a torch
+        optimizer also takes the list, or a :class:`~distopt.sharding.shard_state.ShardStream`, of every rank's
+        ``state_dict(sharded=True)`` (any world size), which a sharded one re-shards one shard at a time.
 
         Raises:
             ValueError: ``state`` is neither, or was written by an older
@@ -117,14 +126,15 @@ class StepState:
         """
         if isinstance(state, Mapping) and "distopt_shard" in state and self.sharding is None:
             state = [state]  # one rank's shard: a whole checkpoint only if it was saved at world size 1
-        if isinstance(state, (list, tuple)) and self._torch_layout():  # every rank's shard
-            split = [_split_extras(from_portable(s)) for s in state]
-            shards = [clean for clean, _ in split]
+        if isinstance(state, (list, tuple)) and self._torch_layout():
+            state = ShardStream.of(state)
+        if isinstance(state, ShardStream) and self._torch_layout():  # every rank's shard
             if self.sharding is not None:
-                self.sharding.load_state_dict(shards)
+                extras = self.sharding.load_stream(state, lambda s: _split_extras(from_portable(s)))
             else:  # a replicated torch optimizer merges them
-                self.local.load_state_dict(shards)
-            extras = split[0][1]
+                split = [_split_extras(from_portable(s)) for s in state.shards]
+                self.local.load_state_dict([clean for clean, _ in split])
+                extras = split[0][1]
         else:
             extras = self._load_local(from_portable(state))
         if extras is None:

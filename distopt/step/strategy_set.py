@@ -1,10 +1,5 @@
-"""The strategies one DistOpt holds, and their saved state.
-
-One is the strategy of ``step`` / ``backward_and_update``; SINGA's
-per-call methods add one strategy per kind, reused from call to call (see
-:mod:`distopt.singa`). State restored before a strategy exists (a SINGA
-method not called yet since the restore) waits here until it does.
-"""
+"""The strategies one DistOpt holds (the held one and SINGA's per-call ones, :mod:`distopt.singa`), and their saved
+state."""
 from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
@@ -19,11 +14,8 @@ SECTIONS = ("strategies", "rank_local")
 
 
 class Slots(NamedTuple):
-    """A step's two slots: the gradient strategy (per bucket) and the parameter averager (after the update).
-
-    The strategy fills the slot of its kind; the other holds a do-nothing
-    stand-in (:mod:`distopt.strategies.stand_ins`).
-    """
+    """A step's two slots: the gradient strategy (per bucket) and the parameter averager (after the update); the
+    strategy fills the slot of its kind, the other holds a do-nothing stand-in (:mod:`distopt.strategies.stand_ins`)."""
 
     gradients: GradientStrategy
     averager: ParameterAverager
@@ -47,7 +39,8 @@ def slots(strategy: Strategy) -> Slots:
 
 
 class StrategySet:
-    """The held strategy, the per-call (SINGA) strategies by kind, and state waiting for them.
+    """The held strategy, the per-call (SINGA) strategies by kind, reused from call to call, and state restored before
+    a strategy exists (a SINGA method not called yet since the restore), waiting until it does.
 
     Args:
         held: the strategy of ``step`` / ``backward_and_update``.
@@ -62,8 +55,8 @@ class StrategySet:
         return "strategy" if strategy is self.held else f"singa.{strategy.name}"
 
     def per_call(self, strategy: Strategy) -> Strategy:
-        """The strategy a per-call method uses: the previous one of its kind if the settings match,
-        else ``strategy`` carrying the previous one's state (or state restored for it)."""
+        """The strategy a per-call method uses: the previous one of its kind if the settings match, else ``strategy``
+        carrying the previous one's state (or state restored for it)."""
         previous = self._per_call.get(type(strategy))
         if previous == strategy:
             return previous

@@ -1,15 +1,11 @@
 """Strategies: how gradients (or parameters) are averaged across ranks, one module each.
 
-:class:`GradientStrategy` (per bucket) and :class:`ParameterAverager`
-(after the local update) are the two kinds of :class:`Strategy` the step
-path drives; :class:`Dense` (plain all-reduce, the default), :class:`Half`
-(16-bit wire), :class:`Sparse` (top-K / threshold with error feedback),
-:class:`DGC` (Deep Gradient Compression) and :class:`PowerSGD` (rank-r
-low-rank compression) are gradient strategies, :class:`Partial` (one chunk
-of parameters per step) a parameter averager. :class:`Residuals`
-(:mod:`~distopt.strategies.memory`) is the error-feedback memory of the
-compressing ones; :data:`REGISTRY` lists every strategy with example
-configurations.
+:class:`GradientStrategy` (per bucket) and :class:`ParameterAverager` (after the local update) are the two kinds of
+:class:`Strategy` the step path drives; :class:`Dense` (plain all-reduce, the default), :class:`Half` (16-bit wire),
+:class:`Sparse` (top-K / threshold with error feedback), :class:`DGC` (Deep Gradient Compression) and :class:`PowerSGD`
+(rank-r low-rank compression) are gradient strategies, :class:`Partial` (one chunk of parameters per step) a parameter
+averager. :class:`Residuals` is the error-feedback memory of the compressing ones; :data:`REGISTRY` lists every
+strategy with example configurations.
 """
 from .base import (NOT_STARTED, BucketContext, Done, GradientStrategy, Handle, LocalInfo, NotStarted,
                    ParameterAverager, Strategy, UpdateContext)

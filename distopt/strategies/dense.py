@@ -1,8 +1,7 @@
 """Plain averaging: every bucket is summed by an all-reduce in its own dtype.
 
-SINGA's ``backward_and_update`` with the tensor fusion of Horovod and
-ChainerMN's ``pure_nccl`` communicator: one all-reduce per bucket, then one
-division by the number of contributing ranks, folded into the unpack.
+SINGA's ``backward_and_update`` with the tensor fusion of Horovod and ChainerMN's ``pure_nccl`` communicator: one
+all-reduce per bucket, then one division by the number of contributing ranks, folded into the unpack.
 """
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ __all__ = ["Dense"]
 class Dense(GradientStrategy):
     """Sum each bucket across ranks, divide by the contributing ranks (the default strategy).
 
-    What travels: every float gradient element once, in its own dtype
-    (4 bytes per float32 element). Supports overlap and ``join``.
+    What travels: every float gradient element once, in its own dtype (4 bytes per float32 element). Supports overlap
+    and ``join``.
     """
 
     name: ClassVar[str] = "plain"

@@ -1,44 +1,25 @@
 """Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018).
 
-Top-K sparsification with the four techniques that keep its accuracy at
-99.9 % sparsity. Per bucket and step, on each rank, with its gradient ``g``
-(flat, the bucket's dtype), its velocity ``u`` and its accumulation ``v``:
+Top-K sparsification with the four techniques that keep its accuracy at 99.9 % sparsity. Per bucket and step, on
+each rank, with its gradient ``g`` (flat, the bucket's dtype), its velocity ``u`` and its accumulation ``v``:
 
-1. **local gradient clipping**: ``g *= min(1, c / ||g||)`` with
-   ``c = clip_norm / sqrt(W)`` (section 3.2: each of the ``W`` ranks clips
-   its own gradient before accumulating, the threshold scaled by
-   ``W**-1/2`` so that the sum of ``W`` clipped gradients keeps the norm a
-   global clip of ``clip_norm`` would allow);
-2. **momentum correction**: ``u = m * u + g``, ``v = v + u``: the residual
-   accumulates the velocity, not the raw gradient, so that the sparse update
-   equals momentum SGD's once an entry is sent (section 3.1);
-3. selection, per tensor of the bucket (the paper's per-layer threshold),
-   of the ``max(1, ceil(d * size))`` largest ``|v|`` at density
-   ``d = 1 - sparsity`` (the sampled-threshold top-K of
-   :func:`distopt.compress.topk_indices`), sent as (index, value) pairs;
+1. **local gradient clipping** (section 3.2): ``g *= min(1, c / ||g||)`` with ``c = clip_norm / sqrt(W)``, so that
+   the sum of ``W`` clipped gradients keeps the norm a global clip of ``clip_norm`` would allow;
+2. **momentum correction** (section 3.1): ``u = m * u + g``, ``v = v + u``: the residual accumulates the velocity,
+   so that the sparse update equals momentum SGD's once an entry is sent;
+3. selection, per tensor of the bucket (the paper's per-layer threshold), of the ``max(1, ceil(d * size))`` largest
+   ``|v|`` at density ``d = 1 - sparsity`` (:func:`distopt.compress.topk_indices`), sent as (index, value) pairs;
    ``v`` keeps what was not sent;
-4. **momentum factor masking**: ``u[sent] = 0``, so stale momentum does not
-   push a just-sent entry again (section 3.2);
-5. **warm-up** of the sparsity: the first stages send more (by default 75 %,
-   93.75 %, 98.4375 %, 99.6 % sparsity, ``warmup_steps`` steps each), then
-   ``sparsity`` from there on (section 3.3). The step count lives in the
-   strategy's state, so a resumed run continues the schedule.
+4. **momentum factor masking** (section 3.2): ``u[sent] = 0``, so stale momentum does not push a just-sent entry again;
+5. **warm-up** of the sparsity (section 3.3): stage ``i`` (``warmup_steps`` steps each) sends at
+   ``warmup_sparsity[i]``, then at ``sparsity``. The step count is in the strategy's state, so a resumed run continues.
 
-Every rank gathers every rank's pairs and adds them (:func:`distopt.compress.densify`,
-in rank order), so every rank applies bitwise the same update. When the
-pairs would move at least as many bytes as a dense all-reduce of the
-bucket (``W * k * (index + value bytes) >= n * itemsize``, e.g. at 75 %
-sparsity on 2 ranks), the same selection travels as a dense vector (zeros
-elsewhere) through one all-reduce instead: same values, fewer bytes
-(counted in ``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]``
-counts the pairs this rank selected).
+Every rank gathers every rank's pairs and adds them in rank order (:func:`distopt.compress.densify`), so every rank
+applies bitwise the same update. When the pairs would move at least as many bytes as a dense all-reduce of the bucket
+(``W * k * (index + value bytes) >= n * itemsize``), the same selection travels as one dense all-reduce instead
+(``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]`` counts the pairs this rank selected).
 
-The momentum lives in the strategy (the velocity ``u``), so the local
-optimizer must not add its own: build ``distopt.SGD(lr, momentum=0)`` or
-``torch.optim.SGD(params, lr, momentum=0)`` and give ``DGC(momentum=0.9)``.
-The local optimizer's weight decay, if any, is applied to the parameters
-directly each step (not through the velocity), so it acts ``1 - momentum``
-times as strongly as the same decay inside momentum SGD.
+The momentum lives in the strategy, so the local optimizer must have none (see docs/strategies.md).
 """
 from __future__ import annotations
 
@@ -69,34 +50,26 @@ class DGC(GradientStrategy):
     """Deep Gradient Compression: top-K of the momentum-corrected accumulation, with warm-up.
 
     Args:
-        sparsity: fraction of each tensor's elements NOT sent once warm-up
-            is over, in [0, 1); 0.999 sends ``k = max(1, ceil(0.001 * n))``
-            of a tensor's ``n`` elements.
-        momentum: the momentum factor ``m`` of the velocity the strategy
-            keeps, in [0, 1); the local optimizer's own momentum must be 0.
-        clip_norm: the global L2-norm bound a single process would clip the
-            summed gradient to (as ``torch.nn.utils.clip_grad_norm_``); each
-            rank clips its own gradient to ``clip_norm / sqrt(W)`` before
-            accumulating. None: no clipping. Clipping is per bucket (the
-            whole model when it fits one bucket, as the seed CNN does).
+        sparsity: fraction of each tensor's elements NOT sent once warm-up is over, in [0, 1); 0.999 sends
+            ``k = max(1, ceil(0.001 * n))`` of a tensor's ``n`` elements.
+        momentum: the momentum factor ``m`` of the velocity the strategy keeps, in [0, 1); the local optimizer's own
+            momentum must be 0.
+        clip_norm: the global L2-norm bound a single process would clip the summed gradient to (as
+            ``torch.nn.utils.clip_grad_norm_``); each rank clips its own gradient to ``clip_norm / sqrt(W)`` before
+            accumulating, per bucket. None: no clipping.
         warmup_steps: steps per warm-up stage, >= 0; 0 skips the warm-up.
-        warmup_sparsity: the sparsity of each warm-up stage, each in
-            [0, 1).
+        warmup_sparsity: the sparsity of each warm-up stage, each in [0, 1).
 
     Attributes:
-        steps: steps completed with this strategy (drives the warm-up;
-            counted by :meth:`end_of_step`).
-        velocity: this rank's ``u`` per bucket
-            (:class:`~distopt.strategies.memory.Residuals`).
-        accumulated: this rank's ``v`` per bucket, what was not sent yet
-            (the error-feedback memory).
+        steps: steps completed with this strategy (drives the warm-up; counted by :meth:`end_of_step`).
+        velocity: this rank's ``u`` per bucket (:class:`~distopt.strategies.memory.Residuals`).
+        accumulated: this rank's ``v`` per bucket, what was not sent yet (the error-feedback memory).
 
     Raises:
-        ValueError: an argument outside the ranges above (at construction);
-            the local optimizer has its own momentum (at the first step).
+        ValueError: an argument outside the ranges above (at construction); the local optimizer has its own momentum
+            (at the first step).
 
-    Supports neither overlap nor ``join`` (the exchange runs after the
-    ranks agreed on the step, so a skipped step changes no state).
+    Supports neither overlap nor ``join``.
     """
 
     name: ClassVar[str] = "dgc"
@@ -142,8 +115,7 @@ class DGC(GradientStrategy):
     def density(self, step: int) -> float:
         """Fraction of each tensor's elements sent at ``step`` (0-based), from the warm-up schedule.
 
-        Computed on the decimal forms of the sparsities, so 0.999 gives
-        exactly 0.001, not ``1 - 0.999 = 0.0010000000000000009``.
+        Computed on the decimal forms of the sparsities, so 0.999 gives exactly 0.001, not ``0.0010000000000000009``.
         """
         stage = step // self.warmup_steps if self.warmup_steps else len(self.warmup_sparsity)
         sparsity = self.warmup_sparsity[stage] if stage < len(self.warmup_sparsity) else self.sparsity
@@ -180,9 +152,8 @@ class DGC(GradientStrategy):
 def _select(ctx: BucketContext, v: Any, density: float) -> Any:
     """Ascending positions in the bucket of each tensor's ``max(1, ceil(density * size))`` largest ``|v|``.
 
-    Per tensor, as the paper's per-layer thresholds: a layer of small
-    gradients is not starved by one of large gradients sharing its bucket,
-    and the selection does not depend on how tensors are bucketed.
+    Per tensor, as the paper's per-layer thresholds: a layer of small gradients is not starved by one of large gradients
+    sharing its bucket, and the selection does not depend on how tensors are bucketed.
     """
     parts = []
     for slot in ctx.bucket.slots:
@@ -195,11 +166,9 @@ def _select(ctx: BucketContext, v: Any, density: float) -> Any:
 def _clip(flat: Any, bound: float) -> None:
     """Scale ``flat`` in place to the L2 norm ``bound`` if its norm is above it (a NaN norm: unchanged).
 
-    The norm is taken in float64 (a float16 or float32 sum of squares can
-    overflow). On CuPy the comparison and the scale stay on the device (no
-    host synchronisation); the scale is the same float64 quotient, rounded to
-    ``flat``'s dtype, so both give the same bits (a factor of exactly 1 where
-    NumPy skips the product).
+    The norm is taken in float64 (a float16 or float32 sum of squares can overflow). On CuPy the comparison and the
+    scale stay on the device (no host synchronisation); the scale is the same float64 quotient, rounded to ``flat``'s
+    dtype, so both give the same bits (a factor of exactly 1 where NumPy skips the product).
     """
     mod = xp_of(flat)
     norm = mod.linalg.norm(flat.astype(np.float64))
@@ -213,11 +182,8 @@ def _clip(flat: Any, bound: float) -> None:
 def _correct(u: Any, v: Any, g: Any, momentum: Any) -> None:
     """Momentum correction in place: ``u = momentum * u + g``, then ``v += u`` (1-D arrays of one length).
 
-    NumPy: in blocks of ``_BLOCK`` elements, so that each block of ``u`` is
-    still in cache for the second and third operation: one read of ``u``,
-    ``g`` and ``v`` and one write of ``u`` and ``v`` from memory instead of
-    three passes; the same operations in the same order per element, so
-    bitwise the same result. CuPy: the three operations on whole arrays.
+    NumPy: in blocks of ``_BLOCK`` elements, so that each block of ``u`` is still in cache for the second and third
+    operation (one pass over memory instead of three, bitwise the same result). CuPy: on whole arrays.
     """
     block = u.size if is_cupy(u) else _BLOCK
     for lo in range(0, u.size, block):
@@ -228,14 +194,8 @@ def _correct(u: Any, v: Any, g: Any, momentum: Any) -> None:
 
 
 def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any, divisor: Any) -> int:
-    """Write into ``flat`` the SUM over ranks of every rank's ``values`` at its ``idx``, divided by
-    ``divisor`` (a scalar of ``flat.dtype``); returns bytes sent.
-
-    Sparse: all-gather the pairs, scatter-add them in rank order into
-    ``flat`` and divide the gathered positions only (every other entry is
-    0). When the pairs of all ranks would take at least the dense bucket's
-    bytes, the pairs travel as one dense all-reduce (zeros elsewhere) instead.
-    """
+    """Write into ``flat`` the SUM over ranks of every rank's ``values`` at its ``idx``, divided by ``divisor`` (a
+    scalar of ``flat.dtype``), as the module docs describe (sparse, or dense fallback); returns bytes sent."""
     n, comm = flat.size, ctx.comm
     pair_bytes = index_dtype(n).itemsize + flat.dtype.itemsize
     dense = comm.size * idx.size * pair_bytes >= flat.nbytes
@@ -247,9 +207,8 @@ def _exchange(ctx: BucketContext, flat: Any, idx: Any, values: Any, divisor: Any
         flat /= divisor
         return int(flat.nbytes)
     all_idx = comm.all_gather(idx)  # one row per rank: densify adds them in rank order (on CuPy without atomics)
-    all_val = comm.all_gather(values)
-    densify(all_idx, all_val, n, flat.dtype, out=flat)
-    flat[all_idx.reshape(-1)] /= divisor  # a repeated position is divided once (the fancy-index assignment is not cumulative)
+    densify(all_idx, comm.all_gather(values), n, flat.dtype, out=flat)
+    flat[all_idx.reshape(-1)] /= divisor  # a repeated position is divided once (fancy-index assignment)
     return int(idx.nbytes + values.nbytes)
 
 

@@ -1,18 +1,12 @@
 """Half precision on the wire: buckets travel as float16 or bfloat16.
 
-SINGA's ``backward_and_update_half``. Per bucket: optional element clipping
-to ``[-clip, clip]`` (the seed's ``clipping``), scale by ``1/predivide``,
-cast to the wire dtype, sum-all-reduce in the wire dtype, cast back, scale
-by ``predivide / divisor``. With the default ``predivide = world_size`` the
-sum cannot exceed the largest rank's value, so 4 ranks each sending 40000
-average to 40000, not inf (Horovod #1699, PyTorch #57410); ``predivide=1``
-keeps small gradients from flushing to zero at the risk of overflow
-(fairscale PR 565 splits the factor; PyTorch's ``fp16_compress_hook``
-pre-divides by the world size).
+SINGA's ``backward_and_update_half``. Per bucket: optional element clipping to ``[-clip, clip]`` (the seed's
+``clipping``), scale by ``1/predivide``, cast to the wire dtype, sum-all-reduce in the wire dtype, cast back, scale by
+``predivide / divisor``. The choice of ``predivide`` (overflow against underflow) is explained at
+:func:`distopt.compress.half_scales`.
 
-On the MPI backend float16/bfloat16 move as 16-bit words: a reduce-scatter,
-a float32 sum of each chunk rounded once, and an all-gather
-(:mod:`distopt.comm.mpi_half`); NCCL and gloo reduce them natively.
+On the MPI backend float16/bfloat16 move as 16-bit words: a reduce-scatter, a float32 sum of each chunk rounded once,
+and an all-gather (:mod:`distopt.comm.mpi_half`); NCCL and gloo reduce them natively.
 """
 from __future__ import annotations
 
@@ -30,16 +24,14 @@ class Half(GradientStrategy):
     """Average gradients sent as 16-bit floats (2 bytes per element on the wire).
 
     Args:
-        wire: ``"float16"`` or ``"bfloat16"`` (NumPy arrays need ml_dtypes
-            for bfloat16).
-        predivide: the factor gradients are divided by before the cast;
-            None means the world size (no overflow). Finite and > 0.
-        clip: clip gradient elements to ``[-clip, clip]`` before the cast;
-            None for no clipping.
+        wire: ``"float16"`` or ``"bfloat16"`` (NumPy arrays need ml_dtypes for bfloat16).
+        predivide: the factor gradients are divided by before the cast; None means the world size (no overflow).
+            Finite and > 0.
+        clip: clip gradient elements to ``[-clip, clip]`` before the cast; None for no clipping.
 
     Raises:
-        ValueError: ``wire`` not in ``("float16", "bfloat16")``, ``clip <= 0``,
-            or (at the first step) a ``predivide`` out of range.
+        ValueError: ``wire`` not in ``("float16", "bfloat16")``, ``clip <= 0``, or (at the first step) a ``predivide``
+            out of range.
     """
 
     name: ClassVar[str] = "half"

@@ -1,19 +1,14 @@
 """PowerSGD's linear algebra over all the factors of one bucket at once (NumPy or CuPy).
 
-A bucket's ``P`` factors lie back to back in one flat buffer, factor ``k``
-as a C-ordered ``(rows_k, rank_k)`` matrix, and so do its ``Q`` factors
-(``(cols_k, rank_k)``). :class:`Stack` maps such a buffer onto one
-zero-padded float64 array of shape ``(K, max rank, max rows)`` (each
-factor transposed, its columns contiguous), so the Gram-Schmidt runs as
-``O(max rank ** 2)`` array operations per bucket instead of that many per
-factor. The padding is exact: zero rows add nothing to a dot product or a
-norm, and a zero column stays zero (see :func:`orthonormalize_stack`).
+A bucket's ``P`` factors lie back to back in one flat buffer, factor ``k`` as a C-ordered ``(rows_k, rank_k)`` matrix,
+and so do its ``Q`` factors (``(cols_k, rank_k)``). :class:`Stack` maps such a buffer onto one zero-padded float64
+array of shape ``(K, max rank, max rows)`` (each factor transposed, its columns contiguous), so the Gram-Schmidt runs
+as ``O(max rank ** 2)`` array operations per bucket instead of that many per factor. The padding is exact: zero rows
+add nothing to a dot product or a norm, and a zero column stays zero.
 
-:func:`project` computes ``M @ V`` (and ``M^T @ V``) one column of ``V`` at
-a time into a preallocated output: a matrix-vector product reads ``M``
-once per column, whereas a matrix product with ``r`` columns copies ``M``
-into packed panels first (about 2x a copy of ``M`` with OpenBLAS at
-``r = 2``, against 0.7x for the two matrix-vector products).
+:func:`project` computes ``M @ V`` (and ``M^T @ V``) one column of ``V`` at a time into a preallocated output: a
+matrix-vector product reads ``M`` once per column, whereas a matrix product with ``r`` columns copies ``M`` into packed
+panels first (about 2x a copy of ``M`` with OpenBLAS at ``r = 2``, against 0.7x for the two matrix-vector products).
 """
 from __future__ import annotations
 
@@ -29,16 +24,12 @@ __all__ = ["Stack", "orthonormalize", "orthonormalize_stack", "project"]
 def orthonormalize_stack(x: Any) -> Any:
     """Orthonormalize, in place, the ``r`` rows of every matrix of a ``(K, r, n)`` float stack; return it.
 
-    Row ``i`` of ``x[k]`` is column ``i`` of the ``k``-th ``(n, r)`` matrix.
-    Classical Gram-Schmidt with one re-orthogonalization per column ("twice
-    is enough", Giraud, Langou & Rozložník 2005). A column that is 0 after
-    the projections (a rank-deficient input: a zero gradient, fewer
-    independent directions than columns, or padding) stays 0 instead of
-    dividing by zero.
+    Row ``i`` of ``x[k]`` is column ``i`` of the ``k``-th ``(n, r)`` matrix. Classical Gram-Schmidt with one
+    re-orthogonalization per column ("twice is enough", Giraud, Langou & Rozložník 2005). A column that is 0 after the
+    projections (a zero gradient, fewer independent directions than columns, or padding) stays 0.
 
     Args:
-        x: 3-D float array (NumPy or CuPy, float64 for the documented
-            precision), C-contiguous in its last axis.
+        x: 3-D float array (NumPy or CuPy, float64 for the documented precision), C-contiguous in its last axis.
 
     Returns:
         ``x``.
@@ -57,9 +48,8 @@ def orthonormalize_stack(x: Any) -> Any:
 def orthonormalize(matrix: Any) -> Any:
     """Make the columns of ``matrix`` orthonormal, in place, and return it.
 
-    :func:`orthonormalize_stack` on the one matrix, in float64 whatever the
-    input dtype, so the columns are orthonormal to float64 precision before
-    the cast back; a zero column stays zero.
+    :func:`orthonormalize_stack` on the one matrix, in float64 whatever the input dtype (orthonormal to float64
+    precision before the cast back); a zero column stays zero.
 
     Args:
         matrix: 2-D float array (NumPy or CuPy) of shape ``(rows, r)``.
@@ -118,9 +108,8 @@ class Stack:
 
 
 def project(matrix: Any, vectors: Any, out: Any) -> Any:
-    """``out = matrix @ vectors``, one column of ``vectors`` at a time (see the module docs), and return
-    ``out``. CuPy takes the same column products (``r`` small kernels instead of one), so its twin adds in
-    the same order as NumPy's.
+    """``out = matrix @ vectors``, one column of ``vectors`` at a time (see the module docs), and return ``out``. CuPy
+    takes the same column products (``r`` small kernels instead of one), so it adds in the same order as NumPy.
 
     Args:
         matrix: 2-D array ``(a, b)`` (a transposed view for ``M^T``).

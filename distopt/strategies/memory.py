@@ -1,17 +1,10 @@
 """Error-feedback memory: what a compressing strategy held back, one array per bucket, on this rank.
 
-Error feedback (Seide et al. 2014, "1-bit SGD"; Stich, Cordonnier & Jaggi
-2018, "Sparsified SGD with memory"; Karimireddy et al. 2019, "Error
-feedback fixes SignSGD") keeps what a lossy compression did not send and
-adds it to the next step's gradient, so nothing is lost, only delayed.
-:class:`~distopt.strategies.Sparse` keeps its residuals here,
-:class:`~distopt.strategies.DGC` its velocity and accumulation,
-:class:`~distopt.strategies.PowerSGD` its errors and warm-start ``Q``
-factors.
-
-The memory is per rank (every rank held back something else), so the
-strategies that use it declare ``per_rank_state``: checkpoints store it
-once per rank.
+Error feedback (Seide et al. 2014, "1-bit SGD"; Stich, Cordonnier & Jaggi 2018, "Sparsified SGD with memory";
+Karimireddy et al. 2019, "Error feedback fixes SignSGD") keeps what a lossy compression did not send and adds it to the
+next step's gradient, so nothing is lost, only delayed. :class:`~distopt.strategies.Sparse` keeps its residuals here,
+:class:`~distopt.strategies.DGC` its velocity and accumulation, :class:`~distopt.strategies.PowerSGD` its errors and
+warm-start ``Q`` factors. The memory is per rank, so these strategies declare ``per_rank_state``.
 """
 from __future__ import annotations
 
@@ -27,8 +20,7 @@ class Residuals:
     """One 1-D array per bucket, keyed by ``(layout key, bucket index)`` as the step engine numbers buckets.
 
     Attributes:
-        buffers: the arrays by key (NumPy or CuPy, each the dtype and
-            length in ELEMENTS of its bucket's flat buffer).
+        buffers: the arrays by key (NumPy or CuPy, each the dtype and length in ELEMENTS of its bucket's flat buffer).
     """
 
     def __init__(self) -> None:
@@ -37,10 +29,8 @@ class Residuals:
     def get(self, key: tuple[int, int], like: Any) -> Any:
         """The array of bucket ``key``, created as zeros shaped like ``like`` (1-D) on first use.
 
-        A stored array whose shape or dtype no longer fits ``like`` (the
-        bucket layout changed: a parameter added, removed or resized) is
-        dropped with a warning on the ``distopt`` logger, never silently,
-        and replaced by zeros.
+        A stored array whose shape or dtype no longer fits ``like`` (the bucket layout changed: a parameter added,
+        removed or resized) is dropped with a warning on the ``distopt`` logger and replaced by zeros.
 
         Args:
             key: ``(layout key, bucket index)``.

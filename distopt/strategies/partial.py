@@ -1,11 +1,9 @@
 """Partial synchronization: average one chunk of the parameters per step.
 
-SINGA's ``backward_and_partial_update``: every rank updates locally with its
-own gradient, then one chunk of the parameters (in the fixed parameter
-order, cut by the threshold rule) is averaged across ranks, the chunk moving
-round-robin so that after K calls (K chunks) every parameter has been
-averaged once. Related to local SGD / periodic model averaging
-(Zinkevich et al. 2010; Lin et al. 2020, "Don't use large mini-batches").
+SINGA's ``backward_and_partial_update``: every rank updates locally with its own gradient, then one chunk of the
+parameters is averaged across ranks, the chunk moving round-robin so that after K calls (K chunks) every parameter has
+been averaged once. Related to local SGD / periodic model averaging (Zinkevich et al. 2010; Lin et al. 2020, "Don't use
+large mini-batches").
 """
 from __future__ import annotations
 
@@ -19,11 +17,7 @@ __all__ = ["Partial", "ChunkCursor"]
 
 
 class ChunkCursor:
-    """Which chunk the next partial update averages; identical on every rank.
-
-    The cursor advances once per step, whatever the number of parameter
-    groups.
-    """
+    """Which chunk the next partial update averages; identical on every rank, advanced once per step."""
 
     def __init__(self) -> None:
         self.position = 0
@@ -50,24 +44,21 @@ class ChunkCursor:
 class Partial(ParameterAverager):
     """Local update with this rank's own gradients, then average one chunk of parameters.
 
-    Parameters are cut into chunks by the threshold rule (a parameter of
-    more than ``chunk_size`` elements is its own chunk, smaller ones are
-    fused up to ``chunk_size`` elements) in the shared order; each step
-    averages the chunk under :attr:`cursor` and advances it.
+    Parameters are cut into chunks by the threshold rule (a parameter of more than ``chunk_size`` elements is its own
+    chunk, smaller ones are fused up to ``chunk_size`` elements) in the shared order; each step averages the chunk
+    under :attr:`cursor` and advances it.
 
     Args:
-        chunk_size: chunk capacity in ELEMENTS; None uses the step's
-            ``threshold`` (SINGA's rule).
-        average_momentum: also average the chunk's momentum buffers.
-            Default False, as in SINGA: it doubles the bytes per step.
+        chunk_size: chunk capacity in ELEMENTS; None uses the step's ``threshold`` (SINGA's rule).
+        average_momentum: also average the chunk's momentum buffers. Default False, as in SINGA: it doubles the bytes
+            per step.
 
     Attributes:
         cursor: the :class:`ChunkCursor` (same on every rank).
 
     Raises:
-        ValueError: ``chunk_size < 1``; at a step, ``average_momentum=True``
-            with an optimizer that exposes no momentum buffers, or a chunk
-            parameter without a momentum buffer yet.
+        ValueError: ``chunk_size < 1``; at a step, ``average_momentum=True`` with an optimizer that exposes no momentum
+            buffers, or a chunk parameter without a momentum buffer yet.
     """
 
     name: ClassVar[str] = "partial"

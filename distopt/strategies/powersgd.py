@@ -1,44 +1,24 @@
 """PowerSGD: rank-r low-rank gradient compression (Vogels, Karimireddy & Jaggi, NeurIPS 2019,
 "PowerSGD: practical low-rank gradient compression for distributed optimization").
 
-As PyTorch's ``powerSGD_hook`` (``torch.distributed.algorithms.ddp_comm_hooks``),
-per bucket and step, on each rank:
+As PyTorch's ``powerSGD_hook`` (``torch.distributed.algorithms.ddp_comm_hooks``), per bucket and step, on each rank:
 
-1. **error feedback**: add this rank's residual ``e`` to the gradient:
-   ``M = g + e`` (flat, the bucket's dtype);
-2. view every tensor of the bucket that is worth compressing as a matrix
-   ``M_i`` of shape ``(out, rest)`` = ``(shape[0], prod(shape[1:]))`` (a
-   convolution weight ``(out, in, kh, kw)`` becomes ``(out, in*kh*kw)``);
-   1-D tensors, and those whose rank-``r`` factors would not save at least
-   ``min_compression_rate`` times their bytes
-   (``out * rest < min_compression_rate * (out + rest) * r``), are reduced
-   densely;
-3. ``P_i = M_i Q_i`` with ``Q_i`` of shape ``(rest, r)`` **warm-started** from
-   the previous step's (random, identical on every rank, at the first
-   step), orthonormalized first; ONE all-reduce sums every ``P_i`` together
-   with the dense tensors;
-4. orthonormalize ``P_i`` (Gram-Schmidt, see :func:`orthonormalize`), then
-   ``Q_i = M_i^T P_i``; ONE all-reduce sums every ``Q_i``, divided by the
-   contributing ranks;
-5. the update is ``P_i Q_i^T`` (the average of the rank-``r`` projections);
-   the residual becomes ``M - P_i Q_i^T`` for compressed tensors (the
-   compensated gradient minus the AVERAGE approximation, as PyTorch's hook
-   and the paper's Algorithm 2) and 0 for densely reduced ones (their
-   average is exact; PyTorch stores ``own - average`` there, which averages
-   to zero over the ranks and only grows).
+1. **error feedback**: add this rank's residual ``e`` to the gradient: ``M = g + e`` (flat, the bucket's dtype);
+2. view every tensor of the bucket that is worth compressing as a matrix ``M_i`` of shape ``(out, rest)`` =
+   ``(shape[0], prod(shape[1:]))``; 1-D tensors and those with ``out * rest < min_compression_rate * (out + rest) * r``
+   are reduced densely;
+3. ``P_i = M_i Q_i`` with ``Q_i`` of shape ``(rest, r)`` **warm-started** from the previous step's (random, identical
+   on every rank, at the first step), orthonormalized first; ONE all-reduce sums every ``P_i`` and the dense tensors;
+4. orthonormalize ``P_i`` (Gram-Schmidt, see :func:`orthonormalize`), then ``Q_i = M_i^T P_i``; ONE all-reduce sums
+   every ``Q_i``, divided by the contributing ranks;
+5. the update is ``P_i Q_i^T``; the residual becomes ``M - P_i Q_i^T`` for compressed tensors (minus the AVERAGE
+   approximation, as PyTorch's hook and the paper's Algorithm 2) and 0 for densely reduced ones (their average is
+   exact; PyTorch stores ``own - average`` there, which averages to zero over the ranks and only grows).
 
-``start_step`` steps of plain dense averaging come first (PyTorch's
-``start_powerSGD_iter``): training's first steps are the most sensitive to
-compression error. Every rank orthonormalizes the same summed ``P`` and
-applies the same ``P Q^T``, so replicas stay bitwise identical.
-
-Bytes per step of a compressed ``(out, rest)`` tensor: ``(out + rest) * r``
-elements instead of ``out * rest``: the seed CNN's 431,080 parameters send
-about 5,400 elements at ``r = 2`` (1.25 % of dense).
-
-NumPy and CuPy: every array operation goes through the input's array module
-(``distopt.core._array.xp_of``); only the first ``Q`` is drawn with NumPy (a
-fixed seed) and copied to the device.
+``start_step`` steps of plain dense averaging come first (PyTorch's ``start_powerSGD_iter``). Every rank
+orthonormalizes the same summed ``P`` and applies the same ``P Q^T``, so replicas stay bitwise identical. Only the
+first ``Q`` is drawn with NumPy (a fixed seed) and copied to the device; everything else runs in the input's array
+module (NumPy or CuPy).
 """
 from __future__ import annotations
 
@@ -61,7 +41,7 @@ __all__ = ["PowerSGD", "orthonormalize", "Factorization", "plan_bucket"]
 
 @dataclass(frozen=True)
 class Factorization:
-    """One tensor of a bucket compressed as ``(rows, cols)`` factors of rank ``rank`` (``r`` above).
+    """One tensor of a bucket compressed as ``(rows, cols)`` factors of rank ``rank``.
 
     Attributes:
         offset: first element of the tensor in the bucket's flat buffer.
@@ -92,8 +72,8 @@ def plan_bucket(bucket: Bucket, matrix_rank: int,
             ``rows * cols >= min_compression_rate * (rows + cols) * min(r, rows, cols)``.
 
     Returns:
-        ``(factorizations, dense_slots)``, each in bucket order; tensors with
-        fewer than 2 dimensions or no elements are dense.
+        ``(factorizations, dense_slots)``, each in bucket order; tensors with fewer than 2 dimensions or no elements
+        are dense.
     """
     factorizations: list[Factorization] = []
     dense: list[Slot] = []
@@ -113,26 +93,19 @@ class PowerSGD(GradientStrategy):
     """Rank-``r`` PowerSGD with error feedback and warm-started ``Q``, as PyTorch's ``powerSGD_hook``.
 
     Args:
-        matrix_rank: the approximation rank ``r`` (PyTorch's
-            ``matrix_approximation_rank``), >= 1.
-        start_step: steps of plain dense averaging before compression starts
-            (PyTorch's ``start_powerSGD_iter``), >= 0.
-        min_compression_rate: compress a tensor only when its factors are at
-            least this many times smaller than it (PyTorch's default 2), >= 0.
-        warm_start: reuse each tensor's ``Q`` from the previous step
-            (default), else draw a new random ``Q`` every step.
+        matrix_rank: the approximation rank ``r`` (PyTorch's ``matrix_approximation_rank``), >= 1.
+        start_step: steps of plain dense averaging before compression starts (PyTorch's ``start_powerSGD_iter``), >= 0.
+        min_compression_rate: compress a tensor only when its factors are at least this many times smaller than it
+            (PyTorch's default 2), >= 0.
+        warm_start: reuse each tensor's ``Q`` from the previous step (default), else draw a new random ``Q`` every step.
         seed: seed of the random ``Q`` (identical on every rank).
-        rank: deprecated name of ``matrix_rank`` (it collides with the
-            process rank); warns.
+        rank: deprecated name of ``matrix_rank`` (it collides with the process rank); warns.
 
     Attributes:
-        steps: steps completed with this strategy (dense and compressed;
-            counted by :meth:`end_of_step`).
-        errors: this rank's error-feedback residual per bucket
-            (:class:`~distopt.strategies.memory.Residuals`).
-        qs: the (averaged) ``Q`` factors per bucket, one flat array of
-            ``sum(cols * rank)`` elements each, kept for the warm start
-            (a :class:`~distopt.strategies.memory.Residuals` memory).
+        steps: steps completed with this strategy (dense and compressed; counted by :meth:`end_of_step`).
+        errors: this rank's error-feedback residual per bucket (:class:`~distopt.strategies.memory.Residuals`).
+        qs: the (averaged) ``Q`` factors per bucket, one flat array of ``sum(cols * rank)`` elements each, kept for the
+            warm start (a :class:`~distopt.strategies.memory.Residuals` memory).
 
     Raises:
         ValueError: an argument outside the ranges above.
@@ -170,27 +143,23 @@ class PowerSGD(GradientStrategy):
                 "min_compression_rate": self.min_compression_rate, "warm_start": self.warm_start, "seed": self.seed}
 
     def finish(self, ctx: BucketContext, flat: Any, started: Handle, divisor: int) -> Done:  # noqa: ARG002
-        if self.steps < self.start_step:                         # dense warm-up
-            ctx.comm.all_reduce(flat, op="sum")
-            flat /= flat.dtype.type(divisor)
-            sent = int(flat.nbytes)
-        else:
-            sent = self._compressed(ctx, flat, divisor)
-        return Done(sent)
+        if self.steps >= self.start_step:
+            return Done(self._compressed(ctx, flat, divisor))
+        ctx.comm.all_reduce(flat, op="sum")                      # dense warm-up
+        flat /= flat.dtype.type(divisor)
+        return Done(int(flat.nbytes))
 
     def end_of_step(self) -> None:
         """Count the step (the dense warm-up of ``start_step`` steps, the per-step draws without warm start)."""
         self.steps += 1
 
     def _compressed(self, ctx: BucketContext, flat: Any, divisor: int) -> int:
-        """Steps 1-5 of the module docs for one bucket; ``flat`` ends holding the average
-        approximation. Returns the bytes sent.
+        """Steps 1-5 of the module docs for one bucket; ``flat`` ends holding the average approximation. Returns the
+        bytes sent.
 
-        The error memory holds the compensated gradient ``M`` from step 1 to
-        the residual (no copy of it), every product writes into its factor
-        or into ``flat`` (no temporaries the size of a matrix), and the
-        Gram-Schmidt runs once per bucket on all its ``P`` (or ``Q``)
-        factors (:class:`~distopt.strategies.lowrank.Stack`).
+        The error memory holds ``M`` from step 1 to the residual (no copy), every product writes into its factor or
+        into ``flat`` (no matrix-sized temporaries), and the Gram-Schmidt runs once per bucket on all its ``P`` (or
+        ``Q``) factors (:class:`~distopt.strategies.lowrank.Stack`).
         """
         key = (ctx.key, ctx.index)
         xp, div = xp_of(flat), flat.dtype.type(divisor)
@@ -229,8 +198,8 @@ class PowerSGD(GradientStrategy):
 
     def _plan(self, key: tuple[int, int], bucket: Bucket, xp: Any) -> tuple[list[Factorization], list[Slot],
                                                                              Stack, Stack]:
-        """The bucket's :func:`plan_bucket` and the :class:`Stack` of its ``P`` and of its ``Q`` factors
-        (built once per bucket and array module)."""
+        """The bucket's :func:`plan_bucket` and the :class:`Stack` of its ``P`` and of its ``Q`` factors (built once per
+        bucket and array module)."""
         plan = self._plans.get(key)
         if plan is None or plan[2].xp is not xp:
             factors, dense = plan_bucket(bucket, self.matrix_rank, self.min_compression_rate)
@@ -239,8 +208,8 @@ class PowerSGD(GradientStrategy):
         return plan
 
     def _q(self, key: tuple[int, int], factors: list[Factorization], like: Any) -> Any:
-        """The bucket's flat ``Q`` memory (``sum(cols * rank)`` elements of ``like.dtype``): the
-        previous step's with ``warm_start``, else (or at first) standard normal from ``seed``."""
+        """The bucket's flat ``Q`` memory (``sum(cols * rank)`` elements of ``like.dtype``): the previous step's with
+        ``warm_start``, else (or at first) standard normal from ``seed``."""
         size = sum(f.cols * f.rank for f in factors)
         q = self.qs.buffers.get(key)
         if q is None or q.size != size or q.dtype != like.dtype or not self.warm_start:

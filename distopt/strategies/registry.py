@@ -1,12 +1,9 @@
 """The registry of strategies: every strategy with one or more example configurations.
 
-Each strategy module registers its examples with :func:`register` when it
-is imported (``distopt.strategies`` imports them all), so a new strategy is
-one module and its ``register(...)`` call. The conformance suite
-(``tests/test_strategy_conformance.py``) runs every registered example
-through the generic invariants (replicas, state round trip, layout change,
-join, skipped step, control collectives, settings mismatch), and the test
-files that iterate "every strategy" read :data:`REGISTRY`.
+Each strategy module registers its examples with :func:`register` when it is imported (``distopt.strategies`` imports
+them all). The conformance suite (``tests/strategies/test_strategy_conformance.py``) runs every registered example
+through the generic invariants (replicas, state round trip, layout change, join, skipped step, control collectives,
+settings mismatch), and the tests that iterate "every strategy" read :data:`REGISTRY`.
 """
 from __future__ import annotations
 
@@ -26,13 +23,11 @@ class Example:
         id: unique short name, e.g. ``"sparse-topk"`` (a test id).
         cls: the strategy class.
         kwargs: its constructor arguments.
-        mismatch: other constructor arguments (different :meth:`Strategy.settings`),
-            for checks that ranks disagreeing on a setting raise; None for a
-            strategy without settings.
-        local_momentum: the momentum factor the example's local optimizer
-            may use (0 for a strategy that keeps the momentum itself, DGC).
-        requires: modules the example needs (e.g. ``("ml_dtypes",)`` for
-            bfloat16 on NumPy arrays).
+        mismatch: other constructor arguments (different :meth:`Strategy.settings`), for checks that ranks disagreeing
+            on a setting raise; None for a strategy without settings.
+        local_momentum: the momentum factor the example's local optimizer may use (0 for a strategy that keeps the
+            momentum itself, DGC).
+        requires: modules the example needs (e.g. ``("ml_dtypes",)`` for bfloat16 on NumPy arrays).
     """
 
     id: str
@@ -81,8 +76,8 @@ _BY_NAME = {"dense": "Dense()", "allreduce": "Dense()", "half": 'Half(wire="floa
 
 
 def strategy_error(value: Any) -> TypeError:
-    """The error for a ``strategy=`` that is not a :class:`~distopt.strategies.base.Strategy`: a name
-    (``"topk"``) is answered with the object to pass."""
+    """The error for a ``strategy=`` that is not a :class:`~distopt.strategies.base.Strategy`: a name (``"topk"``) is
+    answered with the object to pass."""
     if isinstance(value, str):
         hint = _BY_NAME.get(value.lower().replace("-", "").replace("_", ""))
         fix = f"pass distopt.strategies.{hint}" if hint else "pass a strategy object, e.g. distopt.strategies.Dense()"

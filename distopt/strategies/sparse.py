@@ -1,22 +1,16 @@
 """Gradient sparsification with error feedback (SINGA's ``backward_and_sparse_update``).
 
-Per bucket: add the residual (error feedback, Seide et al. 2014; Stich et
-al. 2018; Karimireddy et al. 2019; see :mod:`distopt.strategies.memory`),
-select entries (top-K by magnitude, Aji & Heafield 2017, "Sparse
-communication for distributed gradient descent", or |g| >= threshold,
-Strom 2015, "Scalable distributed DNN training using commodity GPU cloud
-computing"), keep what was not sent as the new residual (compensated
-gradient minus what THIS rank sent, never minus the average, as PowerSGD's
-error feedback does), all-gather (index, value) pairs from every rank,
-densify by ADDING duplicates, divide by world size. Every rank thus applies
-the identical update.
+Per bucket: add the residual (error feedback, see :mod:`distopt.strategies.memory`), select entries (top-K by
+magnitude, Aji & Heafield 2017, "Sparse communication for distributed gradient descent", or |g| >= threshold, Strom
+2015, "Scalable distributed DNN training using commodity GPU cloud computing"), keep what was not sent as the new
+residual (compensated gradient minus what THIS rank sent, never minus the average, as PowerSGD's error feedback does),
+all-gather (index, value) pairs from every rank, densify by ADDING duplicates, divide by world size. Every rank thus
+applies the identical update.
 
-When the sparse exchange would move at least as many bytes as a dense
-all-reduce (density x world size >= about 1), the selected entries are
-all-reduced as a dense vector instead (zeros elsewhere): the result and the
-residual are the same as the sparse path's, only the transport changes.
-Counted in ``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]``
-counts the entries this rank selected.
+When the sparse exchange would move at least as many bytes as a dense all-reduce (density x world size >= about 1), the
+selected entries are all-reduced as a dense vector instead (zeros elsewhere): same result and residual, only the
+transport changes (``stats["sparse_dense_fallbacks"]``; ``stats["sparse_entries"]`` counts the entries this rank
+selected).
 """
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ from ..comm.base import Communicator
 from ..core._array import xp_of
 from ..core.counters import Counters
 from ..compress import densify, k_for, threshold_indices, topk_indices
+from ..compress._xp import index_dtype
 from .base import BucketContext, Done, GradientStrategy, Handle
 from .memory import Residuals
 from .registry import Example, register
@@ -47,22 +42,19 @@ def average_sparse(comm: Communicator, flat: Any, *, density: float, select: str
 
     Args:
         comm: the communicator.
-        flat: 1-D float gradient bucket, overwritten with the average of
-            every rank's sparse contribution.
-        density: with ``select="topk"``, the fraction of elements kept, in
-            (0, 1] (k = max(1, ceil(density * n))); with
-            ``"threshold"``, the absolute threshold (entries with
-            |g| >= density are sent).
-        select: ``"topk"`` (exactly k entries per rank, even with ties) or
-            ``"threshold"`` (counts differ per rank, may be 0).
-        residual: this bucket's error-feedback residual (same shape as
-            ``flat``), updated in place; None disables error feedback.
-        counters: the step counters: ``sparse_entries`` (entries this rank
-            selected) and ``sparse_dense_fallbacks`` are added to.
+        flat: 1-D float gradient bucket, overwritten with the average of every rank's sparse contribution.
+        density: with ``select="topk"``, the fraction of elements kept, in (0, 1] (k = max(1, ceil(density * n)));
+            with ``"threshold"``, the absolute threshold (entries with |g| >= density are sent).
+        select: ``"topk"`` (exactly k entries per rank, even with ties) or ``"threshold"`` (counts differ per rank, may
+            be 0).
+        residual: this bucket's error-feedback residual (same shape as ``flat``), updated in place; None disables
+            error feedback.
+        counters: the step counters: ``sparse_entries`` (entries this rank selected) and ``sparse_dense_fallbacks``
+            are added to.
 
     Returns:
-        BYTES this rank handed to the collectives (indices + values, or the
-        dense bucket on fallback, plus an 8-byte count for threshold mode).
+        BYTES this rank handed to the collectives (indices + values, or the dense bucket on fallback, plus an 8-byte
+        count for threshold mode).
     """
     n = flat.size
     top_k = select == "topk"
@@ -71,16 +63,13 @@ def average_sparse(comm: Communicator, flat: Any, *, density: float, select: str
     acc = flat if residual is None else residual
     if residual is not None:
         residual += flat
-    pair_bytes = np.dtype(np.int64 if n >= 2**31 else np.int32).itemsize + flat.dtype.itemsize
-    sent_bytes = 0
+    pair_bytes = index_dtype(n).itemsize + flat.dtype.itemsize
     if top_k:
         idx = topk_indices(acc, k_for(n, density))
-        total = idx.size * comm.size
+        total, sent_bytes = idx.size * comm.size, 0
     else:
         idx = threshold_indices(acc, density)
-        counts = comm.all_gather(np.array([idx.size], dtype=np.int64)).reshape(-1)
-        sent_bytes += 8
-        total = int(counts.sum())
+        total, sent_bytes = int(comm.all_gather(np.array([idx.size], dtype=np.int64)).sum()), 8
     counters.add(ENTRIES, int(idx.size))
     values = acc[idx]
     if residual is not None:
@@ -88,17 +77,12 @@ def average_sparse(comm: Communicator, flat: Any, *, density: float, select: str
     dense = total * pair_bytes >= n * flat.dtype.itemsize
     counters.add(FALLBACKS, int(dense))
     if dense:
-        # same selection and residual as the sparse path; only the transport is dense
         xp_of(flat).multiply(acc, 0, out=flat)  # zeros (NaN where the gradient is not finite, as a product keeps it)
         flat[idx] = values
         comm.all_reduce(flat, op="avg")
         return sent_bytes + int(flat.nbytes)
-    if top_k:  # one row per rank: densify adds them in rank order (on CuPy without atomics)
-        all_idx = comm.all_gather(idx)
-        all_val = comm.all_gather(values)
-    else:
-        all_idx = comm.all_gather_v(idx)
-        all_val = comm.all_gather_v(values)
+    gather = comm.all_gather if top_k else comm.all_gather_v  # top-k: one row per rank, added in rank order
+    all_idx, all_val = gather(idx), gather(values)
     densify(all_idx, all_val, n, flat.dtype, out=flat)
     touched = xp_of(flat).concatenate(all_idx) if isinstance(all_idx, list) else all_idx.reshape(-1)
     flat[touched] /= comm.size  # only the gathered positions are nonzero: divide k*W values, not n
@@ -120,39 +104,30 @@ class Sparse(GradientStrategy):
     """Top-K or threshold sparsification with error feedback.
 
     Args:
-        density: (default 0.05) with ``select="topk"`` the fraction of each bucket's
-            elements sent, in (0, 1]; with ``select="threshold"`` (the
-            default) NOT a fraction but the absolute magnitude threshold
-            (>= 0): entries with ``|g| >= density`` are sent, however many
-            they are (SINGA's ``spars`` with ``topK=False``).
-        select: ``"topk"`` (exactly ``k = max(1, ceil(density * n))``
-            entries per rank and bucket of ``n`` elements) or
-            ``"threshold"`` (the default).
-        error_feedback: (default True) keep what was not sent as a per-bucket residual
-            added to the next step's gradient.
-        threshold: the clearer spelling of ``select="threshold"`` with
-            ``density=threshold``: ``Sparse(threshold=1e-3)`` sends the
-            entries with ``|g| >= 1e-3``.
+        density: (default 0.05) with ``select="topk"`` the fraction of each bucket's elements sent, in (0, 1]; with
+            ``select="threshold"`` (the default) NOT a fraction but the absolute magnitude threshold (>= 0): entries
+            with ``|g| >= density`` are sent, however many they are (SINGA's ``spars`` with ``topK=False``).
+        select: ``"topk"`` (exactly ``k = max(1, ceil(density * n))`` entries per rank and bucket of ``n`` elements)
+            or ``"threshold"`` (the default).
+        error_feedback: (default True) keep what was not sent as a per-bucket residual added to the next step's
+            gradient.
+        threshold: the clearer spelling of ``select="threshold"`` with ``density=threshold``:
+            ``Sparse(threshold=1e-3)`` sends the entries with ``|g| >= 1e-3``.
         spars: deprecated name of ``density`` (SINGA's; warns).
-        topK: deprecated, warns: True is ``select="topk"``, False
-            ``select="threshold"``. A bool passed positionally as
-            ``select`` (the old ``Sparse(spars, topK, corr)``) is read the
-            same way.
+        topK: deprecated, warns: True is ``select="topk"``, False ``select="threshold"``. A bool passed positionally as
+            ``select`` (the old ``Sparse(spars, topK, corr)``) is read the same way.
         corr: deprecated name of ``error_feedback`` (warns).
 
     Attributes:
-        residuals: this rank's error-feedback memory
-            (:class:`~distopt.strategies.memory.Residuals`).
+        residuals: this rank's error-feedback memory (:class:`~distopt.strategies.memory.Residuals`).
 
     Raises:
-        ValueError: ``select`` not in :data:`SELECTIONS`, or ``density``
-            out of range for it.
-        TypeError: both a name and its deprecated alias given, or
-            ``threshold`` with ``density``/``spars`` or ``select="topk"``.
+        ValueError: ``select`` not in :data:`SELECTIONS`, or ``density`` out of range for it.
+        TypeError: both a name and its deprecated alias given, or ``threshold`` with ``density``/``spars`` or
+            ``select="topk"``.
 
-    The exchange runs after the ranks agreed on the step (so a skipped step
-    leaves the residuals untouched). Does not support overlap or ``join``.
-    Reports ``sparse_entries`` and ``sparse_dense_fallbacks``.
+    The exchange runs after the ranks agreed on the step (so a skipped step leaves the residuals untouched). Does not
+    support overlap or ``join``.
     """
 
     name: ClassVar[str] = "sparse"
@@ -206,5 +181,6 @@ class Sparse(GradientStrategy):
         self.residuals.load_state_dict(state["residuals"])
 
 
-register(Example("sparse-topk", Sparse, {"density": 0.3, "select": "topk"}, mismatch={"density": 0.2, "select": "topk"}),
+register(Example("sparse-topk", Sparse, {"density": 0.3, "select": "topk"},
+                 mismatch={"density": 0.2, "select": "topk"}),
          Example("sparse-threshold", Sparse, {"density": 0.5}, mismatch={"density": 0.5, "error_feedback": False}))

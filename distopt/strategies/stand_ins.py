@@ -1,10 +1,8 @@
 """The do-nothing halves of a step: no gradient reduction, no parameter averaging.
 
-A step has two slots (:func:`distopt.step.strategy_set.slots`): a gradient
-strategy, run per bucket during or after backward, and a parameter
-averager, run after the local update. A strategy fills the slot of its
-kind; the other slot holds one of these, so the step path runs both slots
-without asking which kind it has.
+A step has two slots (:func:`distopt.step.strategy_set.slots`): a gradient strategy, run per bucket during or after
+backward, and a parameter averager, run after the local update. A strategy fills the slot of its kind; the other slot
+holds one of these, so the step path runs both slots without asking which kind it has.
 """
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ __all__ = ["LocalGradients", "NoAveraging"]
 class LocalGradients(GradientStrategy):
     """The gradient slot of a parameter averager: every rank keeps its own gradient (nothing is reduced).
 
-    The step header still compares the averager's settings and checks the
-    parameters; the engine lays out no buckets for it (``reduces`` False).
+    The step header still compares the averager's settings and checks the parameters; the engine lays out no buckets for
+    it (``reduces`` False).
 
     Args:
         averager: the strategy it stands in for (name, settings, join support).

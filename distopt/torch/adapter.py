@@ -1,10 +1,8 @@
 """PyTorch adapter: DistOpt drives a ``torch.optim.Optimizer``.
 
-Parameters and gradients are viewed, not copied: CPU tensors through
-``Tensor.numpy()`` (shared memory), CUDA tensors through DLPack
-(``cupy.from_dlpack``). Only packing small gradients into a fusion buffer
-copies. The averaged gradient is written back into ``param.grad`` and
-``optimizer.step()`` runs unchanged, so any PyTorch optimizer works.
+Parameters and gradients are viewed, not copied: CPU tensors through ``Tensor.numpy()`` (shared memory), CUDA tensors
+through DLPack (``cupy.from_dlpack``). Only packing small gradients into a fusion buffer copies. The averaged gradient
+is written back into ``param.grad`` and ``optimizer.step()`` runs unchanged, so any PyTorch optimizer works.
 """
 from __future__ import annotations
 
@@ -50,10 +48,8 @@ def as_array(tensor: Any) -> Any:
     (``torch.view_as_real``: shape ``(*shape, 2)``, float), as DDP reduces it.
 
     Raises:
-        TypeError: the tensor is sparse (array views and collectives take
-            dense tensors; a PyTorch optimizer's sparse ``.grad`` is averaged
-            by ``loss.backward()``, :mod:`distopt.torch.sparse`) or not
-            contiguous (a view could not alias it).
+        TypeError: the tensor is sparse (array views and collectives take dense tensors; a PyTorch optimizer's sparse
+            ``.grad`` is averaged by ``loss.backward()``, :mod:`distopt.torch.sparse`) or not contiguous.
     """
     if tensor.is_sparse:
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is sparse; array views and collectives take dense "
@@ -62,10 +58,10 @@ def as_array(tensor: Any) -> Any:
     if not tensor.is_contiguous():
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; distopt needs "
                         "contiguous parameters and gradients")
+    import torch
+
     tensor = tensor.detach()
     if str(tensor.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: view the bits as ml_dtypes' type
-        import torch
-
         if tensor.is_cuda:
             import cupy
 
@@ -76,8 +72,6 @@ def as_array(tensor: Any) -> Any:
             return cupy.from_dlpack(tensor.view(torch.int16)).view(_bfloat16())
         return tensor.view(torch.int16).numpy().view(_bfloat16())
     if tensor.is_complex():  # averaged as DDP averages it: the real view of twice the length
-        import torch
-
         return as_array(torch.view_as_real(tensor))
     if tensor.is_cuda:
         import cupy
@@ -98,13 +92,10 @@ def as_tensor_like(array: Any, like: Any) -> Any:
 def torch_stream(tensor: Any) -> ContextManager[Any]:
     """Inside, CuPy's current stream is torch's current stream of ``tensor``'s CUDA device.
 
-    CuPy queues its kernels (bucket copies, casts, compression) and orders
-    NCCL against its OWN current stream, the legacy default stream unless set;
-    under ``with torch.cuda.stream(s):`` (a non-blocking stream) the update
-    could then read gradients before their all-reduce is done. Sharing the
-    stream (``cupy.cuda.ExternalStream``, as CuPy's interoperability guide
-    advises) orders distopt's work with the training script's. A no-op for
-    CPU tensors and None.
+    CuPy queues its kernels (bucket copies, casts, compression) and orders NCCL against its OWN current stream, the
+    legacy default stream unless set; under ``with torch.cuda.stream(s):`` (a non-blocking stream) the update could
+    then read gradients before their all-reduce is done. Sharing the stream (``cupy.cuda.ExternalStream``, as CuPy's
+    interoperability guide advises) orders distopt's work with the training script's. A no-op for CPU tensors and None.
     """
     if tensor is None or not getattr(tensor, "is_cuda", False):
         return contextlib.nullcontext()
@@ -115,8 +106,7 @@ def torch_stream(tensor: Any) -> ContextManager[Any]:
 
 
 def on_torch_stream(method: F) -> F:
-    """Run a method of an object holding ``local`` (a :class:`TorchOptimizer`) inside :func:`torch_stream`
-    of its first parameter."""
+    """Run a method of an object holding ``local`` inside :func:`torch_stream` of its first parameter."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         with torch_stream(next(iter(self.local.params()), None)):
@@ -146,9 +136,9 @@ def _bfloat16() -> Any:
 
 
 def tensor_bytes(t: Any) -> int:
-    """BYTES a tensor holds: a dense one's ``nbytes`` (at most its storage's); a sparse COO one's indices and values (SGD's momentum
-    buffer of a sparse gradient is sparse, and ``nbytes`` raises for it); a compressed one's index and value
-    tensors."""
+    """BYTES a tensor holds: a dense one's ``nbytes`` (at most its storage's); a sparse COO one's indices and values
+    (SGD's momentum buffer of a sparse gradient is sparse, and ``nbytes`` raises for it); a compressed one's index and
+    value tensors."""
     import torch
 
     if t.layout == torch.strided:  # a view holds at most its storage (zero=3's freed parameter: one element)
@@ -165,14 +155,12 @@ def tensor_bytes(t: Any) -> int:
 class TorchOptimizer(LocalOptimizer):
     """The local-optimizer side of DistOpt for a ``torch.optim.Optimizer``.
 
-    It owns the optimizer's tensors and the hooks DistOpt registers on them
-    (removed by :meth:`detach`); the follower (:mod:`distopt.torch.follower`)
-    receives the hooks' calls and drives the step.
+    It owns the optimizer's tensors and the hooks DistOpt registers on them (removed by :meth:`detach`); the follower
+    (:mod:`distopt.torch.follower`) receives the hooks' calls and drives the step.
 
     Attributes:
         optimizer: the wrapped ``torch.optim.Optimizer``.
-        handles: every hook handle registered for this DistOpt (tensors,
-            optimizer step hooks, model forward hooks).
+        handles: every hook handle registered for this DistOpt (tensors, optimizer step hooks, model forward hooks).
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -183,8 +171,8 @@ class TorchOptimizer(LocalOptimizer):
         self.held_param_bytes: Callable[[], int] = lambda: 0  # parameter memory held elsewhere (stage 3)
 
     def params(self) -> list[Any]:
-        """The optimizer's parameters, group by group, in a fixed order (its own, also while a sharded
-        optimizer's shard tensors are swapped into its groups)."""
+        """The optimizer's parameters, group by group, in a fixed order (its own, also while a sharded optimizer's
+        shard tensors are swapped into its groups)."""
         if self.real_groups is not None:
             return [p for params in self.real_groups for p in params]
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -194,8 +182,8 @@ class TorchOptimizer(LocalOptimizer):
         return [p for p in self.params() if p.requires_grad]
 
     def hook(self, tensors: Sequence[Any], on_grad: Callable[[Any], None]) -> None:
-        """Register ``on_grad`` as the post-accumulate-grad hook of each tensor that requires a gradient
-        (once per tensor)."""
+        """Register ``on_grad`` as the post-accumulate-grad hook of each tensor that requires a gradient (once per
+        tensor)."""
         for t in tensors:
             if t.requires_grad and id(t) not in self._hooked:
                 self.handles.append(t.register_post_accumulate_grad_hook(on_grad))
@@ -213,11 +201,8 @@ class TorchOptimizer(LocalOptimizer):
 
     def momentum_arrays(self, params: Sequence[Any]) -> list[Any]:  # noqa: ARG002
         """Views of each parameter's ``momentum_buffer`` state (None where absent)."""
-        out = []
-        for p in self.params():
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            out.append(None if buf is None else as_array(buf))
-        return out
+        buffers = [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params()]
+        return [None if buf is None else as_array(buf) for buf in buffers]
 
     def hyper_parameters(self) -> list[dict[str, Any]]:
         """The parameter groups (``params`` is left out by the comparison)."""
@@ -237,8 +222,8 @@ class TorchOptimizer(LocalOptimizer):
                    if isinstance(v, torch.Tensor))
 
     def param_bytes(self) -> int:
-        """BYTES the parameters hold (a parameter freed by ``zero=3`` holds none), plus what
-        :attr:`held_param_bytes` reports (stage 3's segments)."""
+        """BYTES the parameters hold (a parameter freed by ``zero=3`` holds none), plus what :attr:`held_param_bytes`
+        reports (stage 3's segments)."""
         return sum(tensor_bytes(p) for p in self.params()) + self.held_param_bytes()
 
     def grad_bytes(self) -> int:

@@ -1,11 +1,9 @@
 """PyTorch DDP's ``gradient_as_bucket_view``: every ``.grad`` a view into its bucket's flat buffer.
 
-The layout's bucket buffers are tensors of the parameters' dtype and
-device, allocated once per layout (and trainable-parameter list), and each
-``.grad`` is made a view into its bucket when its final gradient is ready
-(copied into the view if it is another tensor, untouched if it is the view
-already). The pipeline then reduces each bucket in place and unpacks
-nothing.
+The layout's bucket buffers are tensors of the parameters' dtype and device, allocated once per layout (and
+trainable-parameter list), and each ``.grad`` is made a view into its bucket when its final gradient is ready (copied
+into the view if it is another tensor, untouched if it is the view already). The pipeline then reduces each bucket in
+place and unpacks nothing.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def check_bucket_view(local: Any, strategy: Strategy) -> None:
     """Refuse ``gradient_as_bucket_view=True`` where it cannot work.
 
     Raises:
-        ValueError: ``local`` is not a PyTorch optimizer, or ``strategy``
-            averages parameters instead of reducing gradient buckets.
+        ValueError: ``local`` is not a PyTorch optimizer, or ``strategy`` averages parameters instead of gradients.
     """
     if not isinstance(local, TorchOptimizer):
         raise ValueError("gradient_as_bucket_view=True needs a torch.optim.Optimizer (it makes param.grad a view "
@@ -44,15 +41,15 @@ class BucketViews:
         self._owner: tuple[Any, tuple[int, ...]] | None = None  # (layout buffers, tensor ids) they view
 
     def bind(self, pipeline: BucketPipeline, tensors: Sequence[Any]) -> None:
-        """Allocate ``pipeline``'s bucket buffers as tensors and the views into them, once per layout and
-        tensor list (a new layout or list: new buffers, new views)."""
+        """Allocate ``pipeline``'s bucket buffers as tensors and the views into them, once per layout and tensor list
+        (a new layout or list: new buffers, new views)."""
         import torch
 
         owner = (pipeline.buffers, tuple(id(t) for t in tensors))
         if self._owner is not None and self._owner[0] is owner[0] and self._owner[1] == owner[1]:
             return
-        pipeline.buffers[:] = [None] * len(pipeline.buffers)  # never reuse memory a parameter no longer
-        # trained may still hold as .grad
+        # never reuse memory a parameter no longer trained may still hold as .grad
+        pipeline.buffers[:] = [None] * len(pipeline.buffers)
         views: list[Any] = [None] * len(tensors)
         for b, bucket in enumerate(pipeline.buckets):
             ref = tensors[bucket.slots[0].index]
@@ -63,8 +60,8 @@ class BucketViews:
         self.views, self._owner = views, owner
 
     def adopt(self, tensor: Any, index: int) -> None:
-        """Make ``tensor``'s ``.grad`` its view ``index``: copy a gradient held elsewhere into the view,
-        then point ``.grad`` at it (the old tensor is freed); the view itself is left as it is."""
+        """Make ``tensor``'s ``.grad`` its view ``index``: copy a gradient held elsewhere into the view, then point
+        ``.grad`` at it (the old tensor is freed); the view itself is left as it is."""
         view = self.views[index]
         grad = tensor.grad
         if grad is not None and (grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride()):

@@ -1,29 +1,18 @@
 """DDP semantics for a PyTorch optimizer: ``.grad`` holds the average when ``loss.backward()`` returns.
 
-As in PyTorch's ``DistributedDataParallel``: a post-accumulate-grad hook on
-every parameter that requires a gradient hands the final ``.grad`` to the
-step's bucket pipeline during backward (``overlap=True``), and one callback
-queued on the autograd engine (``Variable._execution_engine.queue_callback``)
-finishes every bucket at the end of backward, writing the strategy's
-cross-rank average into ``.grad``. Whatever runs between backward and the
-update (``clip_grad_norm_``, ``GradScaler.unscale_``, the user's own code)
-sees the averaged gradient, and any ``step()`` (DistOpt's or the inner
-optimizer's, e.g. called by ``GradScaler.step``) updates identically on
-every rank.
-
-Step pre- and post-hooks on the inner optimizer (so they run whichever
-``step()`` the user calls) reduce gradients that were accumulated but not
-yet averaged (``no_sync``, ``backward_passes_per_step``) and hand the step
-to the runner (:meth:`~distopt.step.runner.StepRunner.finish_step`: it
-counts the step and runs a parameter averager's after-update).
+As in PyTorch's ``DistributedDataParallel``: a post-accumulate-grad hook on every parameter that requires a gradient
+hands the final ``.grad`` to the step's bucket pipeline during backward (``overlap=True``), and one callback queued on
+the autograd engine (``Variable._execution_engine.queue_callback``) finishes every bucket at the end of backward,
+writing the strategy's cross-rank average into ``.grad``. Whatever runs between backward and the update
+(``clip_grad_norm_``, ``GradScaler.unscale_``, the user's own code) sees the averaged gradient, and any ``step()``
+(DistOpt's or the inner optimizer's, e.g. called by ``GradScaler.step``) updates identically on every rank: step pre-
+and post-hooks on the inner optimizer reduce gradients accumulated but not yet averaged (``no_sync``,
+``backward_passes_per_step``) and hand the step to :meth:`~distopt.step.runner.StepRunner.finish_step`.
 
 This is PyTorch's one route (hook -> follower -> runner -> engine -> pipeline -> strategy -> comm),
-``backward_and_update``, SINGA's methods and ``join()``'s shadow steps included; on CUDA on torch's
-current stream. With ``model=``, errors name parameters by module path.
-
-The rules it keeps (frozen parameters, accumulation, skipped steps, a backward that raises, bucket
-views, sparse gradients, activation checkpointing, overlapping DistOpts) are in ``docs/design.md``,
-"The PyTorch follower's rules".
+``backward_and_update``, SINGA's methods and ``join()``'s shadow steps included; on CUDA on torch's current stream.
+With ``model=``, errors name parameters by module path. The rules it keeps are in ``docs/design.md``, "The PyTorch
+follower's rules".
 """
 from __future__ import annotations
 
@@ -58,24 +47,18 @@ class Follower:
         runner: the :class:`~distopt.step.runner.StepRunner` every step goes through.
         local: the torch local optimizer whose tensors are hooked here.
         passes_per_step: backward passes accumulated per reduction, >= 1.
-        sparse_as_dense: average sparse gradients (``nn.Embedding(sparse=True)``)
-            densely in the buckets; else as sparse (:mod:`distopt.torch.sparse`).
-        bucket_view: make every ``.grad`` a view into its bucket's buffer
-            (``gradient_as_bucket_view``).
-        model: the ``torch.nn.Module``, whose ``require_backward_grad_sync``
-            attribute (DDP's toggle), when False, makes a backward accumulate
-            as inside ``no_sync()``, and which gets DDP's ``model.no_sync()``
-            unless it has one (:mod:`distopt.torch.model_no_sync`); None: no such toggle.
-        sink: where the reduced gradients go (:class:`~distopt.torch.sink.GradientSink`:
-            ``.grad``; a sharded optimizer's sink: its shard tensors).
+        sparse_as_dense: average sparse gradients densely in the buckets; else as sparse (:mod:`distopt.torch.sparse`).
+        bucket_view: make every ``.grad`` a view into its bucket's buffer (``gradient_as_bucket_view``).
+        model: the ``torch.nn.Module``, whose ``require_backward_grad_sync`` attribute (DDP's toggle), when False,
+            makes a backward accumulate as inside ``no_sync()``, and which gets DDP's ``model.no_sync()`` unless it
+            has one (:mod:`distopt.torch.model_no_sync`); None: no such toggle.
+        sink: where the reduced gradients go (:class:`~distopt.torch.sink.GradientSink`, or a sharded optimizer's).
 
     Attributes:
         passes: backward passes accumulated since the last reduction.
         no_sync_depth: nesting depth of ``no_sync()``.
-        views: the :class:`~distopt.torch.bucket_views.BucketViews`, or None
-            without ``gradient_as_bucket_view``.
-        not_finite: the NaN gradients of a step ``check_finite`` skipped
-            (:class:`~distopt.torch.not_finite.NotFiniteGrads`).
+        views: the :class:`~distopt.torch.bucket_views.BucketViews`, or None without ``gradient_as_bucket_view``.
+        not_finite: the NaN gradients of a skipped step (:class:`~distopt.torch.not_finite.NotFiniteGrads`).
 
     Raises:
         ValueError: ``passes_per_step < 1``.
@@ -91,9 +74,7 @@ class Follower:
         self.views, self.model = BucketViews() if bucket_view else None, model
         self.passes = self.no_sync_depth = self.skip_depth = 0
         self._request: tuple[Strategy, int | None] | None = None  # the strategy of the next backward
-        self.record = StepRecord()
-        self.backward = BackwardRecord()
-        self._stale: BucketPipeline | None = None
+        self.record, self.backward = StepRecord(), BackwardRecord()
         self._tensors: list[Any] = []
         self._index_of: dict[int, int] = {}
         self.not_finite = NotFiniteGrads()
@@ -109,9 +90,7 @@ class Follower:
     def join_phase(self) -> str:
         """``"no"`` outside ``join()``; inside, ``"first"`` before the first backward of a step, ``"later"``
         once a backward of it accumulated (``no_sync``, ``backward_passes_per_step``)."""
-        if not self.runner.joining:
-            return "no"
-        return "later" if self.passes else "first"
+        return ("later" if self.passes else "first") if self.runner.joining else "no"
 
     def forward_syncs(self) -> bool:
         """Whether a backward started now averages (outside ``no_sync()`` and with the model's
@@ -138,10 +117,8 @@ class Follower:
         nested = task in self.backward.nested
         if not nested and task != self.backward.task:
             nested = self._place(task)
-        if not slots(self._current()).gradients.reduces:
-            return
-        if not self.sparse.on_grad(param):  # averaged as sparse at the end of backward
-            return
+        if not slots(self._current()).gradients.reduces or not self.sparse.on_grad(param):
+            return  # nothing to reduce, or averaged as sparse at the end of backward
         pipeline = self.record.pipeline
         if pipeline is not None and not nested:  # a nested backward's gradient is packed at the end
             index = self._index_of.get(id(param))
@@ -152,11 +129,9 @@ class Follower:
                     pipeline.ready(index, as_array(param.grad))
 
     def _place(self, task: int) -> bool:
-        """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a
-        nested backward's (reentrant checkpointing), starting or ending backward passes as needed.
-
-        Graph task ids grow: the backward that encloses nested ones has a smaller id than they do.
-        """
+        """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a nested
+        backward's (reentrant checkpointing), starting or ending backward passes as needed. Graph task ids grow: the
+        backward that encloses nested ones has a smaller id than they do."""
         backward = self.backward
         if inside_nested_backward():
             if backward.task is None and not backward.await_outer:  # the backward starts in a nested one
@@ -165,8 +140,7 @@ class Follower:
             self.backward.nested.add(task)
             return True
         if backward.await_outer and task < min(backward.nested):  # the enclosing backward, reached at last
-            backward.await_outer = False
-            backward.task = task
+            backward.await_outer, backward.task = False, task
             from torch.autograd import Variable
 
             Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -188,14 +162,12 @@ class Follower:
 
         self.backward = BackwardRecord(task)
         record = self.record
-        if record.pipeline is not None:  # the previous backward raised before its end
-            self._stale, record.pipeline = record.pipeline, None
-            self.drain()  # before this backward reuses gradient memory (bucket views) or communicates
+        # a pipeline still held: the previous backward raised before its end; drained before this backward reuses
+        # gradient memory (bucket views) or communicates
+        self.drain(outside_backward=True)
         record.strategy, record.threshold = self._request or (self.runner.strategy, None)
-        strategy = record.strategy
-        wanted = self.no_sync_depth == 0 and getattr(self.model, "require_backward_grad_sync", True)
-        gradients = slots(strategy).gradients
-        self.backward.syncing = gradients.reduces and wanted and self.passes + 1 >= self.k
+        gradients = slots(record.strategy).gradients
+        self.backward.syncing = gradients.reduces and self.forward_syncs() and self.passes + 1 >= self.k
         if not gradients.reduces:
             return  # a parameter averager: nothing to reduce in backward
         if task is not None:
@@ -215,26 +187,22 @@ class Follower:
     def _begin(self, shadow: bool | None = None) -> BucketPipeline:
         """A step's header and pipeline; after backward the header carries the gradients (``shadow``: a joined
         rank's, all None). Nothing is reduced in place here: ``VIEW_THRESHOLD`` fuses up to ``buffSize``."""
-        self.drain()
         strategy = self._current()
         self._tensors = self.sparse.layout(self._owned())  # sparse tensors are averaged on their own
         self._index_of = {id(t): i for i, t in enumerate(self._tensors)}
         threshold = self._threshold(strategy, self.record.threshold)
         grads = None if shadow is None else [None if shadow else self.sparse.array(t, True) for t in self._tensors]
+        names = [self._names.get(id(t), "?") for t in self._tensors] if self._names else None
         pipeline = self.runner.begin(strategy, self.sink.arrays(self._tensors), threshold,
                                      views=False, bucket_view=self.views is not None, grads=grads,
-                                     shadow=bool(shadow), names=self._step_names())
+                                     shadow=bool(shadow), names=names)
         if self.views is not None:
             self.views.bind(pipeline, self._tensors)
         return pipeline
 
-    def _step_names(self) -> list[str] | None:
-        return [self._names.get(id(t), "?") for t in self._tensors] if self._names else None
-
     def _threshold(self, strategy: Strategy, asked: int | None) -> int | None:
         """The step's threshold: a dense strategy's default (``VIEW_THRESHOLD``) fuses up to ``buffSize``."""
-        fused = asked is None and strategy.default_threshold == VIEW_THRESHOLD
-        return self.runner.engine.buff_size if fused else asked
+        return self.runner.engine.buff_size if asked is None and strategy.default_threshold == VIEW_THRESHOLD else asked
 
     def planned(self) -> tuple[list[Any], list[Any]]:
         """The tensors and float buckets of the held strategy's next step (the layout stage 3 keeps)."""
@@ -246,26 +214,20 @@ class Follower:
         """Complete and drop the reductions of a backward that raised (collective on every rank).
 
         Args:
-            outside_backward: called between backward passes (a step,
-                ``zero_grad``): a pipeline still held belongs to a backward
-                that raised.
+            outside_backward: called between backward passes (a step, ``zero_grad``, a new backward): a pipeline
+                still held belongs to a backward that raised (False: nothing to drain).
         """
         if outside_backward and self.record.pipeline is not None:
-            self._stale, self.record.pipeline = self.record.pipeline, None
-        stale, self._stale = self._stale, None
-        if stale is not None:
+            stale, self.record.pipeline = self.record.pipeline, None
             stale.abandon()
 
     @on_torch_stream
     def reduce(self, shadow: bool = False) -> Outcome:
-        """Average the accumulated ``.grad`` of every trainable parameter now (collective).
-
-        Sets ``.grad`` to None where no rank has a gradient, and everywhere
-        when ``check_finite`` skips the step.
+        """Average the accumulated ``.grad`` of every trainable parameter now (collective); ``.grad`` becomes None
+        where no rank has a gradient, and everywhere when ``check_finite`` skips the step.
 
         Args:
-            shadow: a joined rank's shadow step: it contributes zeros (its
-                own ``.grad`` is ignored) and receives the others' average.
+            shadow: a joined rank's shadow step: it contributes zeros (not its ``.grad``) and gets the others' average.
         """
         pipeline, self.record.pipeline = self.record.pipeline, None
         if pipeline is None:

@@ -1,12 +1,10 @@
 """Writes into whole parameters (``summon_full_params``) that every rank keeps alike, or none does.
 
-DeepSpeed's ``GatheredParameters(params, modifier_rank=r)``: with
-``modifier_rank`` the block's writes on rank ``r`` become every rank's (a
-broadcast after the block); without it, the ranks' writes are compared (a
-digest of the parameters before and after the block, one small all-gather),
-and when some ranks wrote and others did not, every rank raises: at
-``zero=3`` such a write is then discarded everywhere, where it would leave
-each rank's own segment written and the rest old.
+DeepSpeed's ``GatheredParameters(params, modifier_rank=r)``: with ``modifier_rank`` the block's writes on rank ``r``
+become every rank's (a broadcast after the block); without it, the ranks' writes are compared (a digest of the
+parameters before and after the block, one small all-gather), and when some ranks wrote and others did not, every rank
+raises: at ``zero=3`` such a write is then discarded everywhere, where it would leave each rank's own segment written
+and the rest old.
 """
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def check_writes(comm: Any, before: int, after: int, discarded: bool) -> None:
     Raises:
         RuntimeError: naming the ranks that wrote and those that did not.
     """
-    flags = np.array([int(before != after)], dtype=np.int64)
-    wrote = comm.all_gather(flags).reshape(-1)
+    wrote = comm.all_gather(np.array([int(before != after)], dtype=np.int64)).reshape(-1)
     if 0 < int(wrote.sum()) < comm.size:
         who = [r for r in range(comm.size) if wrote[r]]
         rest = [r for r in range(comm.size) if not wrote[r]]
@@ -59,8 +56,8 @@ def check_writes(comm: Any, before: int, after: int, discarded: bool) -> None:
 
 
 def broadcast_from(comm: Any, tensors: Sequence[Any], root: int) -> None:
-    """Give every rank ``root``'s values of ``tensors`` (in place, one broadcast each, through a copy that
-    leaves the tensors' storage resizable; collective)."""
+    """Give every rank ``root``'s values of ``tensors`` (in place, one broadcast each, through a copy that leaves the
+    tensors' storage resizable; collective)."""
     for t in tensors:
         if t.numel():
             buf = t.detach().clone()

@@ -1,17 +1,10 @@
 """DDP's ``model.no_sync()`` on the model given as ``DistOpt(..., model=model)``.
 
-A DDP script accumulates gradients with ``with model.no_sync():`` (the
-model is the DDP wrapper), and code written for both (timm's ``train.py``)
-asks ``hasattr(model, "no_sync")`` before using it; without it, every
-micro-batch is all-reduced. So, with ``model=``, the model gets a
-``no_sync`` attribute that is ``opt.no_sync`` (backward passes inside
-accumulate in ``.grad`` without communicating; the first backward after the
-block, or ``step()``, averages the sum), unless the model already has a
-``no_sync`` of its own, which is left alone. The attribute is an instance
-attribute of that model only (never its class); ``opt.close()`` removes it.
-It travels with ``copy.deepcopy`` (an EMA copy of the model: the copy shares
-it) and with pickling (``torch.save(model)``: a stand-in that does not
-communicate, replaced by the next DistOpt built over the model).
+Code written for DDP (timm's ``train.py``) accumulates with ``with model.no_sync():`` when ``hasattr(model,
+"no_sync")``, else all-reduces every micro-batch. So, with ``model=``, the model gets an instance attribute
+``no_sync`` that is ``opt.no_sync``, unless it has a ``no_sync`` of its own (left alone); ``opt.close()`` removes it.
+It travels with ``copy.deepcopy`` (an EMA copy shares it) and with pickling (``torch.save(model)``: a stand-in that
+does not communicate, replaced by the next DistOpt built over the model).
 """
 from __future__ import annotations
 
@@ -23,8 +16,8 @@ __all__ = ["ModelNoSync", "attach_no_sync"]
 
 
 class ModelNoSync:
-    """``model.no_sync``: calls the follower's ``no_sync()`` (a weak reference: the model does not keep
-    the DistOpt alive); a context that does nothing once the follower is gone or after unpickling."""
+    """``model.no_sync``: calls the follower's ``no_sync()`` (a weak reference: the model does not keep the DistOpt
+    alive); a context that does nothing once the follower is gone or after unpickling."""
 
     def __init__(self, follower: Any = None) -> None:
         self._follower = None if follower is None else weakref.ref(follower)
@@ -55,8 +48,8 @@ class _Detach:
 
 
 def attach_no_sync(model: Any, follower: Any, handles: list[Any]) -> None:
-    """Give ``model`` (None: nothing) a ``no_sync`` calling ``follower.no_sync()`` unless it has one of its
-    own (an earlier DistOpt's :class:`ModelNoSync` is replaced); append its remover to ``handles``."""
+    """Give ``model`` (None: nothing) a ``no_sync`` calling ``follower.no_sync()`` unless it has one of its own (an
+    earlier DistOpt's :class:`ModelNoSync` is replaced); append its remover to ``handles``."""
     if model is None:
         return
     own = getattr(model, "no_sync", None)

@@ -1,10 +1,4 @@
-"""Model-aware synchronization: a module's parameters and buffers, by name, from one rank.
-
-:class:`ModelSync` uses these at construction (rank 0's parameters, frozen
-ones and ones outside the optimizer included, and its buffers), before each
-training-mode forward (``broadcast_buffers=True``), in ``opt.sync_buffers()``
-and in ``opt.broadcast_state()``.
-"""
+"""Model-aware synchronization: a module's parameters and buffers, by name, from one rank (:class:`ModelSync`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
@@ -26,49 +20,40 @@ def check_names(comm: Communicator, names: Sequence[str], what: str) -> None:
     """Compare ``names`` (in order) across ranks (collective: :func:`~distopt.comm.consensus.agree`).
 
     Raises:
-        CollectiveMismatchError: on every rank, naming the first position
-            where the ranks differ, every rank's name there, and the fix.
+        CollectiveMismatchError: on every rank, naming the first position where the ranks differ, every rank's name
+            there, and the fix.
     """
     fields: dict[str, Any] = {f"{what} #{i}": name for i, name in enumerate(names)}
     agree(comm, fields, call="model check", error=CollectiveMismatchError, show=repr,
           hint="every rank must build the same model and give the optimizer its parameters in the same order")
 
 
-def broadcast_arrays(comm: Communicator, arrays: Sequence[Any], root: int = 0) -> None:
-    """Overwrite ``arrays`` (NumPy/CuPy, any dtype) with ``root``'s values, fused per dtype (collective)."""
-    arrays = list(arrays)
+def _fused(arrays: list[Any], collective: Callable[[Any], Any]) -> None:
+    """Run ``collective`` in place on ``arrays`` packed into buckets per dtype, then unpack them."""
     for bucket in plan_buckets([(a.shape, a.dtype) for a in arrays], DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
         flat, viewed = pack(bucket, arrays)
-        comm.broadcast(flat, root=root)
+        collective(flat)
         if not viewed:
             unpack(bucket, flat, arrays)
+
+
+def broadcast_arrays(comm: Communicator, arrays: Sequence[Any], root: int = 0) -> None:
+    """Overwrite ``arrays`` (NumPy/CuPy, any dtype) with ``root``'s values, fused per dtype (collective)."""
+    _fused(list(arrays), lambda flat: comm.broadcast(flat, root=root))
 
 
 def average_arrays(comm: Communicator, arrays: Sequence[Any]) -> None:
     """Average the float ``arrays`` across ranks in place; others get rank 0's values (collective)."""
     arrays = list(arrays)
-    floats = [a for a in arrays if is_float(a)]
-    for bucket in plan_buckets([(a.shape, a.dtype) for a in floats], DEFAULT_THRESHOLD, DEFAULT_THRESHOLD):
-        flat, viewed = pack(bucket, floats)
-        comm.all_reduce(flat, op="avg")
-        if not viewed:
-            unpack(bucket, flat, floats)
+    _fused([a for a in arrays if is_float(a)], lambda flat: comm.all_reduce(flat, op="avg"))
     broadcast_arrays(comm, [a for a in arrays if not is_float(a)], 0)
 
 
 def named_state(model: Any, buffers: bool = True) -> tuple[list[str], list[Any]]:
-    """``(names, arrays)``: every parameter of ``model`` (frozen ones too), then its buffers if asked.
-
-    Arrays are views: writing them changes the model. Tied parameters
-    appear once.
-    """
-    names: list[str] = [n for n, _ in model.named_parameters()]
-    tensors: list[Any] = [p for _, p in model.named_parameters()]
-    if buffers:
-        for n, b in model.named_buffers():
-            names.append(n)
-            tensors.append(b)
-    return names, [as_array(t) for t in tensors]
+    """``(names, arrays)``: every parameter of ``model`` (frozen ones too), then its buffers if asked. Arrays are
+    views: writing them changes the model. Tied parameters appear once."""
+    named = list(model.named_parameters()) + (list(model.named_buffers()) if buffers else [])
+    return [n for n, _ in named], [as_array(t) for _, t in named]
 
 
 def _named(named_parameters: Iterable[tuple[str, Any]], params: Sequence[Any]) -> list[str]:
@@ -97,16 +82,10 @@ def parameter_names(model: Any, params: Sequence[Any]) -> list[str]:
 
 
 def _guard_hooks_under_compile() -> None:
-    """Make ``torch.compile`` run the buffer broadcast's forward hooks, whatever else it compiled.
-
-    By default (``torch._dynamo.config.skip_nnmodule_hook_guards = True``)
-    ``torch.compile`` reuses the code it compiled for another module of the
-    same structure without checking the modules' hooks, so after another
-    compiled model ran in the process the wrapped model's hooks were
-    skipped, and its buffers never broadcast. This turns those guards on
-    and, when code was compiled before (``torch._dynamo`` loaded), drops
-    it (``torch._dynamo.reset()``: it recompiles at its next call).
-    """
+    """Make ``torch.compile`` run the buffer broadcast's forward hooks, whatever else it compiled: by default
+    (``skip_nnmodule_hook_guards``) it reuses code compiled for another module of the same structure without checking
+    the hooks. This turns those guards on and, when code was compiled before (``torch._dynamo`` loaded), drops it
+    (``torch._dynamo.reset()``)."""
     import sys
 
     loaded = "torch._dynamo" in sys.modules
@@ -121,40 +100,25 @@ def _guard_hooks_under_compile() -> None:
 class ModelSync:
     """A PyTorch optimizer's (and model's) tensors, synchronized across ranks from one rank.
 
-    ``DistOpt(torch_opt, model=model)`` builds one: it checks the names and
-    broadcasts rank 0's parameters (frozen ones and ones outside the
-    optimizer included) and buffers at construction, and with
-    ``broadcast_buffers=True`` before a training-mode forward that follows a
-    synchronizing forward, as DDP does (``require_forward_param_sync``; also
-    under ``torch.compile``, see :func:`_guard_hooks_under_compile`): a
-    forward inside ``no_sync()`` (or under ``torch.no_grad()``) leaves the
-    next forward's buffers alone, so with accumulation the buffers are
-    broadcast at the first micro-batch of each step.
+    ``DistOpt(torch_opt, model=model)`` builds one: it checks the names and broadcasts rank 0's parameters (frozen ones
+    and ones outside the optimizer included) and buffers at construction, and with ``broadcast_buffers=True`` before a
+    training-mode forward that follows a synchronizing forward (DDP's ``require_forward_param_sync``, also under
+    ``torch.compile``): with accumulation the buffers are broadcast at the first micro-batch of each step.
 
     Args:
         comm: the communicator.
         engine: the step engine (its checked parameter broadcast).
         local: the torch local optimizer.
-        model: the ``torch.nn.Module``, or None (only the optimizer's
-            parameters are broadcast then; buffers never are).
-        broadcast_buffers: with ``model``, broadcast rank 0's buffers
-            before each training-mode forward (DDP's default).
-        named_parameters: Horovod's ``named_parameters=``: ``(name, tensor)``
-            pairs naming every optimizer parameter; the names are compared
-            across ranks.
-        join_phase: tells whether this rank is inside ``join()`` and at the
-            first training-mode forward of a step (not a later micro-batch
-            of an accumulated one): only then, inside ``join()``, are the
-            buffers broadcast, from the lowest rank still training (one small
-            all-reduce names it), and joined ranks shadow it once per step
-            (:meth:`shadow_forward`), as DDP's join hook does. Returns
-            ``"no"`` outside ``join()``, ``"first"`` or ``"later"`` inside.
-        forward_syncs: whether a backward started now would average the
-            gradients (outside ``no_sync()``, DDP's ``require_backward_grad_sync``).
+        model: the ``torch.nn.Module``, or None (then only the optimizer's parameters are broadcast).
+        broadcast_buffers: with ``model``, broadcast rank 0's buffers before each training-mode forward (DDP's default).
+        named_parameters: Horovod's: ``(name, tensor)`` pairs naming every optimizer parameter, compared across ranks.
+        join_phase: ``join_phase()`` is ``"no"`` outside ``join()``; inside, ``"first"`` at a step's first
+            training-mode forward, when the lowest rank still training broadcasts the buffers and joined ranks shadow
+            it (:meth:`shadow_forward`, as DDP's join hook), else ``"later"``.
+        forward_syncs: whether a backward started now would average (DDP's ``require_backward_grad_sync``).
 
     Raises:
-        CollectiveMismatchError: on every rank, naming the first name (or
-            shape or dtype) that differs across ranks.
+        CollectiveMismatchError: on every rank, naming the first name (or shape or dtype) that differs across ranks.
         ValueError: ``named_parameters`` names a parameter twice or misses one.
     """
 
@@ -189,8 +153,6 @@ class ModelSync:
                     self.sync_buffers("broadcast", min(self._active(True)))
 
             def after_forward(module: Any, inputs: Any, output: Any) -> None:  # noqa: ARG001
-                import torch
-
                 self.sync_next = torch.is_grad_enabled() and forward_syncs()
 
             import torch
@@ -219,8 +181,8 @@ class ModelSync:
         self.sync_buffers("broadcast", last)
 
     def join_hooks(self) -> tuple[Callable[[], int] | None, Callable[[int], None] | None]:
-        """``(shadow_forward, after_join)`` for the runner's join loop, or ``(None, None)`` when no buffer is
-        broadcast before the forward."""
+        """``(shadow_forward, after_join)`` for the runner's join loop, or ``(None, None)`` when no buffer is broadcast
+        before the forward."""
         return (self.shadow_forward, self.after_join) if self.hooked else (None, None)
 
     def sync_buffers(self, mode: str = "broadcast", root: int = 0) -> None:
@@ -240,8 +202,8 @@ class ModelSync:
             average_arrays(self.comm, buffers)
 
     def broadcast_state(self, root: int = 0, schedulers: Sequence[Any] = ()) -> None:
-        """Give every rank ``root``'s parameters, buffers, inner optimizer state and ``schedulers``' state
-        (see ``DistOpt.broadcast_state``; collective)."""
+        """Give every rank ``root``'s parameters, buffers, inner optimizer state and ``schedulers``' state (see
+        ``DistOpt.broadcast_state``; collective)."""
         arrays = self.local.arrays()
         if self.model is not None:
             arrays += named_state(self.model)[1]

@@ -1,20 +1,9 @@
 """The gradients of a step ``check_finite`` skipped: NaN, as DDP's non-finite average would be, until ``step()``.
 
-With ``check_finite=True`` a NaN or inf in any rank's gradient skips the
-update on every rank. PyTorch DDP has no such vote, and what DDP scripts
-pair with a non-finite step is ``torch.amp.GradScaler``: its ``unscale_``
-looks for the inf in ``.grad`` (``found_inf`` per device), ``step()``
-skips the update, ``update()`` halves the scale. It asserts "No inf checks
-were recorded for this optimizer" when no parameter has a gradient. So a
-skipped step leaves every ``.grad`` (of a tensor some rank had a gradient
-for) filled with NaN, on every rank and at every ``zero`` stage: the
-scaler finds the inf, skips and halves alike everywhere, and
-``torch.nn.utils.clip_grad_norm_`` returns a non-finite norm, as with DDP.
-
-Those gradients are set to None again before the update runs (the inner
-optimizer's step pre-hook: a ``step()`` changes nothing) and by
-``opt.zero_grad()``; a backward before either accumulates onto them (as
-onto DDP's non-finite average), so the next step is skipped too.
+So ``torch.amp.GradScaler`` (whose ``unscale_`` looks for the inf in ``.grad``, and which asserts "No inf checks were
+recorded for this optimizer" when no parameter has a gradient) skips and halves its scale alike on every rank, as with
+DDP (``docs/design.md``, "The PyTorch follower's rules"). A backward before the next ``step()`` or ``zero_grad()``
+(which set them to None) accumulates onto them, so the next step is skipped too.
 """
 from __future__ import annotations
 
@@ -30,8 +19,8 @@ class NotFiniteGrads:
         self.held: list[tuple[Any, Any]] = []  # (tensor, the NaN gradient given to it)
 
     def mark(self, tensors: Sequence[Any], present: Sequence[bool], sparse: Sequence[Any]) -> None:
-        """Give ``.grad`` = NaN to each of ``tensors`` (the dense layout) some rank had a gradient for
-        (``present``), and to each of ``sparse`` (the tensors averaged as sparse: some rank had one)."""
+        """Give ``.grad`` = NaN to each of ``tensors`` (the dense layout) some rank had a gradient for (``present``),
+        and to each of ``sparse`` (the tensors averaged as sparse: some rank had one)."""
         import torch
 
         marked = [t for t, ok in zip(tensors, present) if ok]

@@ -23,9 +23,9 @@ def claim(tensor: Any, follower: Any) -> bool:
 
 
 def check_sharing(tensors: Any, follower: Any, names: Any) -> None:
-    """Claim ``tensors`` for ``follower`` now (the first DistOpt built over a tensor averages it), refusing a
-    tensor shared with another live follower when either of the two shards its optimizer: a sharded
-    optimizer updates only its own pieces of its own tensors, so a shared tensor would be stepped wrongly.
+    """Claim ``tensors`` for ``follower`` now (the first DistOpt built over a tensor averages it), refusing a tensor
+    shared with another live follower when either of the two shards its optimizer: a sharded optimizer updates only
+    its own pieces of its own tensors, so a shared tensor would be stepped wrongly.
 
     Args:
         tensors: the follower's parameters.
@@ -33,19 +33,17 @@ def check_sharing(tensors: Any, follower: Any, names: Any) -> None:
         names: ``names(indices)``: how to name the parameters at ``indices`` in the error.
 
     Raises:
-        ValueError: a tensor is shared with a sharding DistOpt, or this one shards and shares one; the
-            message names the parameters.
+        ValueError: a tensor is shared with a sharding DistOpt, or this one shards and shares one (naming them).
     """
     owners = [_OWNERS.get(id(t)) for t in tensors]
-    shared = [i for i, owner in enumerate(owners)
-              if owner is not None and owner is not follower and (follower.sink.shards_optimizer or owner.sink.shards_optimizer)]
-    if not shared:
-        for t in tensors:
-            claim(t, follower)
-    else:
+    shared = [i for i, owner in enumerate(owners) if owner is not None and owner is not follower
+              and (follower.sink.shards_optimizer or owner.sink.shards_optimizer)]
+    if shared:
         raise ValueError(f"parameters {names(shared)} belong to another live DistOpt too, and one of the two "
                          "shards its optimizer (zero=1|2|3), which updates only its own pieces of its own tensors: "
                          "give each parameter to one DistOpt, or use zero=0 for both (or close() the other first)")
+    for t in tensors:
+        claim(t, follower)
 
 
 def release(tensors: Any, follower: Any) -> None:

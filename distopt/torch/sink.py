@@ -1,10 +1,8 @@
 """Where a PyTorch step's reduced gradients go: the gradient sink a follower is built with.
 
-:class:`GradientSink` is the replicated one: every parameter's ``.grad``
-holds the cross-rank average, as with PyTorch DDP. A sharded optimizer's
-sink (:class:`distopt.torch.zero.step.ShardedTorchStep`) overrides it:
-``.grad`` then holds this rank's segment, the inner optimizer steps its
-shard tensors, and the parameters are all-gathered after the step.
+:class:`GradientSink` is the replicated one: every parameter's ``.grad`` holds the cross-rank average, as with PyTorch
+DDP. A sharded optimizer's sink (:class:`distopt.torch.zero.step.ShardedTorchStep`) overrides it: ``.grad`` then holds
+this rank's segment, the inner optimizer steps its shard tensors, and the parameters are all-gathered after the step.
 """
 from __future__ import annotations
 
@@ -23,10 +21,9 @@ class GradientSink:
     """The replicated sink: the average lands in ``.grad`` (see the module docs).
 
     Attributes:
-        densify: sparse gradients must be reduced densely, in the buckets
-            (False here: they may be averaged as sparse).
-        shards_optimizer: the optimizer is sharded (False here): a parameter may not
-            be shared with another DistOpt (:func:`~distopt.torch.owners.check_sharing`).
+        densify: sparse gradients must be reduced densely, in the buckets (False here: they may be averaged as sparse).
+        shards_optimizer: the optimizer is sharded (False here): a parameter may not be shared with another DistOpt
+            (:func:`~distopt.torch.owners.check_sharing`).
     """
 
     densify = False
@@ -43,8 +40,7 @@ class GradientSink:
             outcome: the ranks' agreement on the step.
             skipped: the step is skipped: every ``.grad`` becomes None.
             shadow: a joined rank's shadow step (its own ``.grad`` was ignored).
-            views: with ``gradient_as_bucket_view``, each tensor's ``.grad``
-                view into its bucket; None without.
+            views: with ``gradient_as_bucket_view``, each tensor's ``.grad`` view into its bucket; None without.
         """
         for i, (t, g, ok) in enumerate(zip(tensors, grads, outcome.present)):
             if skipped or not ok:
@@ -78,8 +74,8 @@ class GradientSink:
     @contextmanager
     def full_parameters(self, writeback: bool, modifier_rank: int | None, comm: Any,
                         params: Sequence[Any]) -> Iterator[None]:
-        """Every parameter whole inside the block (here: once gathers in flight have completed); with
-        ``writeback``, ``modifier_rank``'s writes become every rank's, or writes on some ranks only raise
+        """Every parameter whole inside the block (here: once gathers in flight have completed); with ``writeback``,
+        ``modifier_rank``'s writes become every rank's, or writes on some ranks only raise
         (:mod:`distopt.torch.full_writes`)."""
         check_modifier_rank(modifier_rank, comm.size)
         self.wait()

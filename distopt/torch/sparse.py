@@ -1,46 +1,29 @@
 """Sparse PyTorch gradients (``nn.Embedding(sparse=True)``): averaged as sparse, outside the buckets.
 
-Source: Horovod's sparse all-reduce through all-gathers
-(``horovod/torch/mpi_ops.py``, ``sparse_allreduce_async``): every rank's
-indices and values are gathered, concatenated in rank order and made one
-sparse tensor. Here:
+Source: Horovod's sparse all-reduce through all-gathers (``horovod/torch/mpi_ops.py``, ``sparse_allreduce_async``):
+every rank's indices and values are gathered, concatenated in rank order and made one sparse tensor. Here:
 
-* **Which tensors are sparse** is agreed once, at the end of the first
-  synchronizing backward that meets a trainable tensor not classified yet
-  (the first step, a parameter added or made trainable): one small
-  all-gather of one code per tensor (0 no gradient, 1 dense, ``1 + k``
-  sparse with ``sparse_dim`` k). A tensor sparse on one rank and dense on
-  another raises :class:`~distopt.errors.CollectiveMismatchError` on every
-  rank; one nobody has a gradient for is classified dense. Until then (the
-  first step) an unclassified tensor stays in the dense bucket layout with
-  no gradient packed; from the next step on, sparse tensors are left out of
-  it (the engine lays the buckets out again once, broadcasting rank 0's
-  dense parameters, which are already identical).
-* **Averaging** (every synchronizing step, after the dense buckets, on
-  every rank in the parameters' order): two ``all_gather_v`` for all sparse
-  tensors together, one of int64 (per tensor a tag, whether this rank has a
-  gradient, its nnz; then the indices, ``(sparse_dim, nnz)`` row-major) and
-  one of the values' raw bytes (``(nnz, *dense_dims)`` of any dtype). Per
-  tensor the ranks' parts are concatenated in rank order, coalesced, and
-  divided by the world size (by the contributing ranks with
-  ``divide_by_initial_world_size=False`` while some have joined). A joined
-  rank contributes no gradient (0 nnz) and receives the average.
-* **Arithmetic**: ``coalesce`` sums the entries of one index in the order
-  they appear in the concatenation (rank order, then each rank's own
-  order), the order one process meets them over the concatenated batch.
-  With per-rank mean losses the one-process entries are the per-rank ones
-  divided by W: for W a power of two that scaling is exact and the
-  average is bitwise one process's; otherwise it agrees to rounding
-  (Horovod divides each entry before the sum; here the sum is divided once).
-* ``.grad`` is then the coalesced sparse average (``torch.optim.SparseAdam``,
-  sparse ``SGD``, ``Adagrad``); None where no rank had a gradient.
-* **Densified** instead (``sparse_as_dense=True``, and always with
-  ``gradient_as_bucket_view`` or ``zero=1|2|3``): a sparse gradient becomes
-  dense at its hook and is averaged in its bucket; an optimizer that only
-  takes sparse gradients (:func:`needs_sparse`: ``SparseAdam``) gets it
-  back sparse, the rows (``sparse_dim`` 1) that are non-zero in the
-  average, so an exactly zero average of a touched row is left out.
-  Every other optimizer gets the dense average (Horovod's ``sparse_as_dense``).
+* **Which tensors are sparse** is agreed once, at the end of the first synchronizing backward that meets a trainable
+  tensor not classified yet: one small all-gather of one code per tensor (0 no gradient, 1 dense, ``1 + k`` sparse
+  with ``sparse_dim`` k; sparse on one rank and dense on another raises
+  :class:`~distopt.errors.CollectiveMismatchError` on every rank; no gradient anywhere: dense). Until then it stays in
+  the dense bucket layout with no gradient packed; from the next step on, sparse tensors are left out of it.
+* **Averaging** (every synchronizing step, after the dense buckets, on every rank in the parameters' order): two
+  ``all_gather_v`` for all sparse tensors together, one of int64 (per tensor a tag, whether this rank has a gradient,
+  its nnz; then the indices, ``(sparse_dim, nnz)`` row-major) and one of the values' raw bytes (``(nnz,
+  *dense_dims)`` of any dtype). Per tensor the ranks' parts are concatenated in rank order, coalesced, and divided by
+  the world size (by the contributing ranks with ``divide_by_initial_world_size=False`` while some have joined). A
+  joined rank contributes no gradient (0 nnz) and receives the average. ``.grad`` is then the coalesced sparse average
+  (``torch.optim.SparseAdam``, sparse ``SGD``, ``Adagrad``); None where no rank had a gradient.
+* **Arithmetic**: ``coalesce`` sums the entries of one index in the order they appear in the concatenation (rank
+  order, then each rank's own order), the order one process meets them over the concatenated batch. With per-rank
+  mean losses the one-process entries are the per-rank ones divided by W: for W a power of two that scaling is exact
+  and the average is bitwise one process's; otherwise it agrees to rounding (Horovod divides each entry before the
+  sum; here the sum is divided once).
+* **Densified** instead (``sparse_as_dense=True``, and always with ``gradient_as_bucket_view`` or ``zero=1|2|3``): a
+  sparse gradient becomes dense at its hook and is averaged in its bucket; an optimizer that only takes sparse
+  gradients (:func:`needs_sparse`: ``SparseAdam``) gets it back sparse, the rows (``sparse_dim`` 1) that are non-zero
+  in the average (an exactly zero average of a touched row is left out); any other gets the dense average.
 """
 from __future__ import annotations
 
@@ -71,9 +54,7 @@ def needs_sparse(optimizer: Any) -> bool:
 
 
 def _code(grad: Any) -> int:
-    if grad is None:
-        return 0
-    return DENSE + grad.sparse_dim() if grad.is_sparse else DENSE
+    return 0 if grad is None else DENSE + grad.sparse_dim() if grad.is_sparse else DENSE
 
 
 def _where(i: int, t: Any) -> str:
@@ -86,8 +67,7 @@ class SparseGrads:
     Args:
         engine: the step engine (communicator, counters, division rule).
         optimizer: the inner ``torch.optim.Optimizer`` (:func:`needs_sparse`).
-        densify: average sparse gradients densely (``sparse_as_dense=True``,
-            ``gradient_as_bucket_view``, a sharded optimizer's sink).
+        densify: average sparse gradients densely (``sparse_as_dense``, ``gradient_as_bucket_view``, a sharded sink).
 
     Attributes:
         kinds: ``id(tensor) -> code`` of every classified tensor (see :data:`DENSE`).
@@ -107,14 +87,14 @@ class SparseGrads:
         return not self.densify and self.kinds.get(id(t), DENSE) > DENSE
 
     def layout(self, owned: Sequence[Any]) -> list[Any]:
-        """Remember the step's trainable tensors; return those of the dense bucket layout (all but the
-        sparse ones; unclassified tensors included)."""
+        """Remember the step's trainable tensors; return those of the dense bucket layout (all but the sparse ones;
+        unclassified tensors included)."""
         self.owned = list(owned)
         return [t for t in self.owned if not self.is_sparse(t)]
 
     def on_grad(self, param: Any) -> bool:
-        """A final gradient at its hook: True when it goes to the dense pipeline (a sparse one densified
-        there when it is averaged densely), False when it is averaged here."""
+        """A final gradient at its hook: True when it goes to the dense pipeline (a sparse one densified there when it
+        is averaged densely), False when it is averaged here."""
         if self.is_sparse(param):
             return False
         grad = param.grad
@@ -138,16 +118,16 @@ class SparseGrads:
 
     # ------------------------------------------------------------- collective
     def reduce(self, outcome: Outcome, shadow: bool) -> bool:
-        """Classify new tensors and average the sparse gradients (collective); returns whether
-        ``check_finite`` found a non-finite average (every rank then skips the step).
+        """Classify new tensors and average the sparse gradients (collective); returns whether ``check_finite`` found a
+        non-finite average (every rank then skips the step).
 
         Args:
             outcome: the dense buckets' agreement (nothing runs when it does not apply).
             shadow: a joined rank's shadow step: it contributes no gradient.
 
         Raises:
-            CollectiveMismatchError: on every rank, a tensor sparse on one
-                rank and dense on another, or with another sparse layout.
+            CollectiveMismatchError: on every rank, a tensor sparse on one rank and dense on another, or with another
+                sparse layout.
         """
         self.averaged = {}
         if not outcome.applies or self.densify:
@@ -158,8 +138,7 @@ class SparseGrads:
             sparse = [(i, t) for i, t in enumerate(self.owned) if self.is_sparse(t)]
             if not sparse:
                 return False
-            divisor = self.engine.agreement.divisor(outcome)
-            bad = self._average(sparse, divisor, shadow)
+            bad = self._average(sparse, self.engine.agreement.divisor(outcome), shadow)
         if bad and self.engine.check_finite:
             self.engine.counters.skipped_steps += 1
         return bad and self.engine.check_finite
@@ -198,8 +177,7 @@ class SparseGrads:
             if nnz:
                 indices.append(grad._indices().reshape(-1).to("cpu", torch.int64))
                 values.append(grad._values().contiguous().reshape(-1).view(torch.uint8))
-        head = torch.tensor(heads, dtype=torch.int64)
-        mine_idx = as_array(torch.cat([head, *indices]))
+        mine_idx = as_array(torch.cat([torch.tensor(heads, dtype=torch.int64), *indices]))
         device = sparse[0][1].device
         mine_val = as_array(torch.cat(values) if values else torch.zeros(0, dtype=torch.uint8, device=device))
         comm = self.engine.comm

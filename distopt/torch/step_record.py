@@ -1,9 +1,5 @@
-"""What a PyTorch follower knows about the current step and backward pass, grouped by lifetime.
-
-As torch's ``ZeroRedundancyOptimizer`` keeps ``_OverlapInfo`` with an
-``_OverlapStatus``: one explicit :class:`Phase` instead of several flags,
-and records cleared at the end of their lifetime (:class:`StepRecord` after
-each optimizer step, :class:`BackwardRecord` at each backward's end).
+"""What a PyTorch follower knows about the current step and backward pass, grouped by lifetime (after torch's
+``_OverlapInfo``/``_OverlapStatus``; ``docs/design.md``, "A PyTorch step's record").
 """
 from __future__ import annotations
 
@@ -25,7 +21,8 @@ class Phase(Enum):
     REDUCED = "reduced"
     """``.grad`` holds this step's average (or, with a closure, the closure makes the gradients)."""
     SKIPPED = "skipped"
-    """The ranks agreed to skip this step (``check_finite``): ``.grad`` is NaN (see :mod:`distopt.torch.follower`), None after ``step()``."""
+    """The ranks agreed to skip this step (``check_finite``): ``.grad`` is NaN (see :mod:`distopt.torch.not_finite`),
+    None after ``step()``."""
 
 
 @dataclass
@@ -55,8 +52,7 @@ class BackwardRecord:
     """The backward pass being followed.
 
     Attributes:
-        task: its autograd graph task (None between passes, or while its
-            enclosing task is not known yet).
+        task: its autograd graph task (None between passes, or while its enclosing task is not known yet).
         nested: graph tasks run from inside it (reentrant activation checkpointing).
         await_outer: it began inside a nested task; the enclosing one has not shown a hook yet.
         syncing: it averages the gradients at its end (else it accumulates).

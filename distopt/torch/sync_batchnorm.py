@@ -1,36 +1,26 @@
 """Synchronized batch normalization: BatchNorm statistics over the global batch of every rank.
 
-Batch normalization (Ioffe & Szegedy 2015, "Batch Normalization:
-Accelerating Deep Network Training by Reducing Internal Covariate Shift")
-normalizes each channel by the mean and variance of the batch. In data
-parallel training each rank sees only its own part of the batch;
-:class:`SyncBatchNorm` computes the statistics over the concatenation of
-every rank's batch, as ``torch.nn.SyncBatchNorm`` does (its forward and
-backward formulas; torch's own class runs on CUDA only), but over any distopt
-communicator (mpi, shm, torch, nccl, single), on CPU tensors as well.
+Batch normalization (Ioffe & Szegedy 2015, "Batch Normalization: Accelerating Deep Network Training by Reducing
+Internal Covariate Shift") normalizes each channel by the mean and variance of the batch. In data parallel training
+each rank sees only its own part of the batch; :class:`SyncBatchNorm` computes the statistics over the concatenation
+of every rank's batch, as ``torch.nn.SyncBatchNorm`` does (its forward and backward formulas; torch's own class runs
+on CUDA only), but over any distopt communicator (mpi, shm, torch, nccl, single), on CPU tensors as well.
 
 Collectives per layer and training step, on the layer's communicator:
 
-* forward: ONE all-reduce (sum) of ``2 * C + 1`` float64 values: the
-  per-channel sums, the per-channel sums of squares and the element count;
-* backward (only when the input needs a gradient, as torch): ONE all-reduce
-  of ``2 * C`` float64 values: the per-channel sums of the output gradient
-  and of the output gradient times ``x - mean``.
+* forward: ONE all-reduce (sum) of ``2 * C + 1`` float64 values: the per-channel sums, the per-channel sums of
+  squares and the element count;
+* backward (only when the input needs a gradient, as torch): ONE all-reduce of ``2 * C`` float64 values: the
+  per-channel sums of the output gradient and of the output gradient times ``x - mean``.
 
-Every rank calls them in the same order (same model, same forward), also
-with a zero-size local batch (it contributes zero sums and a zero count).
-Eval mode (running statistics) communicates nothing; neither does a world
-of one rank (plain ``F.batch_norm``). Weight and bias gradients are this
-rank's contributions (summed over its own samples), so averaging them over
-ranks (``DistOpt``, DDP) gives the single-process gradient of the mean loss.
+Every rank calls them in the same order (same model, same forward), also with a zero-size local batch (it contributes
+zero sums and a zero count). Eval mode (running statistics) communicates nothing; neither does a world of one rank
+(plain ``F.batch_norm``). Weight and bias gradients are this rank's contributions (summed over its own samples), so
+averaging them over ranks (``DistOpt``, DDP) gives the single-process gradient of the mean loss.
 
-Not supported inside ``DistOpt.join()`` once a rank has left its loop: a
-joined rank does not run forward, so the training ranks' all-reduces are
-matched by the joined rank's shadow collectives (a different kind, count
-or dtype); the backends then raise
-:class:`~distopt.errors.CollectiveMismatchError` on every rank instead of
-hanging, and this module adds the explanation on the training ranks.
-PyTorch's DDP ``join()`` has the same restriction for SyncBatchNorm.
+Not supported inside ``DistOpt.join()`` once a rank has left its loop (as with PyTorch's DDP ``join()``): the joined
+rank runs no forward, so its shadow collectives differ and every rank raises
+:class:`~distopt.errors.CollectiveMismatchError` (with the explanation on the training ranks) instead of hanging.
 """
 from __future__ import annotations
 
@@ -41,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm.base import Communicator
-from .sync_stats import CommRef, global_stats, input_problem, sync_train
+from .sync_stats import CommRef, sync_train
 
 __all__ = ["SyncBatchNorm", "SyncForward", "convert_sync_batchnorm", "has_sync_batchnorm"]
 
@@ -49,19 +39,13 @@ __all__ = ["SyncBatchNorm", "SyncForward", "convert_sync_batchnorm", "has_sync_b
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over the global batch of every rank, for 2-D to 5-D inputs (``torch.nn.SyncBatchNorm``).
 
-    Shapes: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)``
-    in, the same shape out; ``N`` may differ across ranks and be 0 on some.
-    Any floating dtype (statistics are summed and all-reduced in float64;
-    the output has the input's dtype), CPU or CUDA (CUDA statistics travel
-    through host memory unless the backend is nccl or torch).
-
-    In training mode the mean and the biased variance over all ranks'
-    elements normalize the input; ``running_mean``/``running_var`` are
-    updated with the global mean and the UNBIASED global variance (global
-    count ``n``, factor ``n / (n - 1)``) by ``momentum`` (None: cumulative
-    average), identically on every rank. Eval mode uses the running
-    statistics (no communication); with ``track_running_stats=False`` eval
-    mode normalizes by the local batch, as torch does.
+    Shapes: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` in, the same shape out; ``N`` may
+    differ across ranks and be 0 on some. Any floating dtype (statistics are summed and all-reduced in float64; the
+    output has the input's dtype), CPU or CUDA (CUDA statistics travel through host memory unless the backend is nccl
+    or torch). In training mode the mean and the biased variance over all ranks' elements normalize the input;
+    ``running_mean``/``running_var`` are updated with the global mean and the UNBIASED global variance (global count
+    ``n``, factor ``n / (n - 1)``) by ``momentum`` (None: cumulative average), identically on every rank. Eval mode
+    uses the running statistics (no communication), or the local batch with ``track_running_stats=False``, as torch.
 
     Args:
         num_features: ``C``.
@@ -71,25 +55,18 @@ class SyncBatchNorm(_BatchNorm):
         track_running_stats: as ``torch.nn.BatchNorm2d``'s.
         device: as ``torch.nn.BatchNorm2d``'s.
         dtype: as ``torch.nn.BatchNorm2d``'s.
-        comm: a distopt Communicator, or anything with a ``.comm`` (a
-            ``distopt.World``, a ``DistOpt``); None: at the first training
-            forward, ``distopt.init()``'s world (the current one, else a new
-            one: call ``distopt.init()`` before ``DistOpt(...)`` so both share
-            it, or pass ``comm=``; under ``python -m distopt.launch`` a second
-            shm communicator of the job cannot open).
-        group: a process group (``distopt.comm.groups.Group``; anything with
-            ``.comm``) to normalize over; its ``.comm`` is used as ``comm``.
+        comm: a distopt Communicator, or anything with a ``.comm`` (a ``distopt.World``, a ``DistOpt``); None: at the
+            first training forward, ``distopt.init()``'s world (the current one, else a new one: call
+            ``distopt.init()`` before ``DistOpt(...)`` so both share it, or pass ``comm=``).
+        group: a process group (``distopt.comm.groups.Group``; anything with ``.comm``) to normalize over, as ``comm``.
         bias: as torch's keyword ``bias`` (False: no bias parameter).
 
     Raises:
-        ValueError: ``comm`` and ``group`` both given; in forward: the input
-            is not 2-D to 5-D or has not ``num_features`` channels (raised on
-            every rank: the bad rank still joins the all-reduce, poisoning
-            it), the global batch has at most one element per channel, or
-            ``group`` has no communicator on this rank (not a member).
-        CollectiveMismatchError: ranks disagree on the collective (different
-            ``num_features``, a different number or order of layers, a rank
-            inside ``DistOpt.join()`` that stopped training), on every rank.
+        ValueError: ``comm`` and ``group`` both given; in forward: the input is not 2-D to 5-D or has not
+            ``num_features`` channels (raised on every rank: the bad rank still joins the all-reduce, poisoning it),
+            the global batch has at most one element per channel, or this rank is not a member of ``group``.
+        CollectiveMismatchError: ranks disagree on the collective (different ``num_features``, a different number or
+            order of layers, a rank inside ``DistOpt.join()`` that stopped training), on every rank.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
@@ -98,8 +75,7 @@ class SyncBatchNorm(_BatchNorm):
         if comm is not None and group is not None:
             raise ValueError("SyncBatchNorm: pass comm= or group=, not both")
         extra = {} if bias else {"bias": False}
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         **extra)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
         self._comm_ref = CommRef(group if group is not None else comm, "group" if group is not None else "comm")
 
     def set_comm(self, comm: Any) -> None:
@@ -120,10 +96,6 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"SyncBatchNorm expects a 2-D to 5-D input (N, C[, L | H, W | D, H, W]), got a "
                              f"{input.dim()}-D input of shape {tuple(input.shape)}")
 
-    def _problem(self, x: torch.Tensor) -> str | None:
-        """What is wrong with ``x`` for this layer, or None."""
-        return input_problem(self.num_features, x)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize ``input`` (see the class docs); collective in training mode (one all-reduce)."""
         factor = 0.0 if self.momentum is None else self.momentum
@@ -137,25 +109,17 @@ class SyncBatchNorm(_BatchNorm):
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 use_batch, factor, self.eps)
         comm = self.comm
+        stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         if comm.size == 1:
             self._check_input_dim(input)
-            stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
             return F.batch_norm(input, *stats, self.weight, self.bias, True, factor, self.eps)
-        stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
-        return sync_train(self, input, *stats, self.weight, self.bias, factor, self.eps, comm, self._what())
-
-    def _what(self) -> str:
-        return f"SyncBatchNorm({self.num_features})"
-
-    def _global_stats(self, x: torch.Tensor, comm: Communicator) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """See :func:`~distopt.torch.sync_stats.global_stats`."""
-        return global_stats(self.num_features, x, comm, self._what())
+        return sync_train(self, input, *stats, self.weight, self.bias, factor, self.eps, comm,
+                          f"SyncBatchNorm({self.num_features})")
 
 
 class _RouteBatchNorm(torch.overrides.TorchFunctionMode):
-    """During one training forward of a converted BatchNorm subclass, send its ``F.batch_norm`` calls (those
-    given the layer's own weight or running statistics, in training mode) through :func:`~distopt.torch.sync_stats.sync_train`.
-    Torch function modes are per thread; every other call passes through unchanged."""
+    """During one training forward of a converted BatchNorm subclass (per thread), send its training-mode
+    ``F.batch_norm`` calls given the layer's own weight or running statistics through ``sync_stats.sync_train``."""
 
     def __init__(self, layer: Any, comm: Communicator) -> None:
         super().__init__()
@@ -171,7 +135,7 @@ class _RouteBatchNorm(torch.overrides.TorchFunctionMode):
                 self.routed += 1
                 return sync_train(self.layer, call["input"], call["running_mean"], call["running_var"],
                                    call["weight"], call["bias"], call["momentum"], call["eps"], self.comm,
-                                   _what(self.layer))
+                                   f"{type(self.layer).__name__}({self.layer.num_features})")
         return func(*args, **kwargs)
 
 
@@ -181,16 +145,12 @@ def _batch_norm_args(input: Any, running_mean: Any, running_var: Any, weight: An
             "bias": bias, "training": training, "momentum": momentum, "eps": eps}
 
 
-def _what(layer: Any) -> str:
-    return f"{type(layer).__name__}({layer.num_features})"
-
-
 class SyncForward:
     """What :func:`convert_sync_batchnorm` adds to a BatchNorm subclass with a ``forward`` of its own (timm's
-    ``BatchNormAct2d``: norm, then drop and activation): the class made is a subclass of the user's class,
-    named ``Sync<Name>``, whose training forward runs the user's ``forward`` with its ``F.batch_norm`` call
-    reduced over every rank (as :class:`SyncBatchNorm`'s; the rest of the forward, the activation included,
-    runs unchanged). Eval mode and a world of one rank run the user's ``forward`` as it is.
+    ``BatchNormAct2d``: norm, then drop and activation): the class made is a subclass of the user's class, named
+    ``Sync<Name>``, whose training forward runs the user's ``forward`` with its ``F.batch_norm`` call reduced over
+    every rank (as :class:`SyncBatchNorm`'s; the rest of the forward, the activation included, runs unchanged). Eval
+    mode and a world of one rank run the user's ``forward`` as it is.
 
     Raises (in a training forward, on every rank alike):
         TypeError: the user's ``forward`` did not call ``torch.nn.functional.batch_norm`` with the layer's own
@@ -199,25 +159,15 @@ class SyncForward:
 
     _comm_ref: CommRef
     _unsynced: type
-
-    def set_comm(self, comm: Any) -> None:
-        """Use ``comm`` (a Communicator, or anything with ``.comm``) from the next training forward on."""
-        self._comm_ref = CommRef(comm, "comm")
-
-    @property
-    def comm(self) -> Communicator:
-        """The communicator this layer reduces over (as :attr:`SyncBatchNorm.comm`)."""
-        return self._comm_ref.get()
+    set_comm = SyncBatchNorm.set_comm
+    comm = SyncBatchNorm.comm
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``forward``, its batch statistics over every rank in training mode (collective)."""
         run = super().forward  # type: ignore[misc]
-        if not self.training:  # type: ignore[attr-defined]
+        if not self.training or self.comm.size == 1:  # type: ignore[attr-defined]
             return run(*args, **kwargs)
-        comm = self.comm
-        if comm.size == 1:
-            return run(*args, **kwargs)
-        route = _RouteBatchNorm(self, comm)
+        route = _RouteBatchNorm(self, self.comm)
         with route:
             out = run(*args, **kwargs)
         if not route.routed:
@@ -228,8 +178,8 @@ class SyncForward:
         return out
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        """Pickled as the user's class made synchronized again on load (the class made here has no import
-        path); its communicator does not travel (``set_comm`` after loading, as :class:`SyncBatchNorm`)."""
+        """Pickled as the user's class made synchronized again on load (the class made here has no import path); its
+        communicator does not travel (``set_comm`` after loading, as :class:`SyncBatchNorm`)."""
         return (_new_synced, (self._unsynced,), self.__getstate__())  # type: ignore[attr-defined]
 
 
@@ -251,29 +201,16 @@ def _new_synced(cls: type) -> Any:
     return _synced_class(cls).__new__(_synced_class(cls))
 
 
-def _reproduced(cls: type) -> bool:
-    """Whether :class:`SyncBatchNorm` reproduces ``cls``'s forward (it is ``_BatchNorm``'s or torch's
-    SyncBatchNorm's own, not a subclass's)."""
-    return cls.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward)
-
-
 def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any = None) -> torch.nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` (and ``torch.nn.SyncBatchNorm``) in ``module`` by :class:`SyncBatchNorm`.
 
-    As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layers take
-    the old ones' parameter and buffer tensors themselves (values, device,
-    dtype, ``requires_grad``), ``num_features``, ``eps``, ``momentum``,
-    ``affine``, ``track_running_stats``, training mode and ``qconfig``.
-    Layers that are already distopt SyncBatchNorm are kept as they are.
+    As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layers take the old ones' parameter and buffer
+    tensors themselves (values, device, dtype, ``requires_grad``), ``num_features``, ``eps``, ``momentum``,
+    ``affine``, ``track_running_stats``, training mode and ``qconfig``. distopt's own SyncBatchNorm layers are kept.
 
-    A BatchNorm subclass whose ``forward`` is its own (timm's ``BatchNormAct2d``:
-    norm, drop, activation) keeps it: the layer stays the same object, its
-    class becomes ``Sync<Name>``, a subclass of its own (:class:`SyncForward`,
-    as timm's ``SyncBatchNormAct``), whose training forward reduces the
-    ``F.batch_norm`` call of that ``forward`` over every rank. A
-    ``forward`` that makes no such call raises ``TypeError`` naming the class at
-    the first training forward, on every rank. Subclasses without a
-    ``forward`` of their own become :class:`SyncBatchNorm`, as torch's do.
+    A BatchNorm subclass whose ``forward`` is its own (timm's ``BatchNormAct2d``) keeps it: the layer stays the same
+    object, its class becomes ``Sync<Name>`` (:class:`SyncForward`, as timm's ``SyncBatchNormAct``). Subclasses
+    without a ``forward`` of their own become :class:`SyncBatchNorm`, as torch's do.
 
     Args:
         module: a model, or one BatchNorm layer.
@@ -281,12 +218,10 @@ def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any
         group: as :class:`SyncBatchNorm`'s (one for every layer).
 
     Returns:
-        ``module`` with its children replaced in place, or the new layer when
-        ``module`` itself is a BatchNorm layer.
+        ``module`` with its children replaced in place, or the new layer when ``module`` itself is a BatchNorm layer.
 
     Raises:
-        ValueError: ``comm`` and ``group`` both given; an uninitialized lazy
-            BatchNorm (run one forward before converting).
+        ValueError: ``comm`` and ``group`` both given; an uninitialized lazy BatchNorm (run one forward first).
     """
     if comm is not None and group is not None:
         raise ValueError("convert_sync_batchnorm: pass comm= or group=, not both")
@@ -295,7 +230,7 @@ def convert_sync_batchnorm(module: torch.nn.Module, comm: Any = None, group: Any
         if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"convert_sync_batchnorm: {type(module).__name__} is not initialized yet; run one "
                              "forward pass before converting")
-        if _reproduced(type(module)):
+        if type(module).forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):  # SyncBatchNorm's own
             out = _replacement(module, comm, group)
         else:  # a forward of its own (norm + activation): kept, its batch norm synchronized
             module.__class__ = _synced_class(type(module))
@@ -311,19 +246,16 @@ def _replacement(module: Any, comm: Any, group: Any) -> SyncBatchNorm:
                         module.track_running_stats, comm=comm, group=group,
                         bias=module.bias is not None or not module.affine)
     if module.affine:
-        out.weight = module.weight
-        out.bias = module.bias
-    out.running_mean = module.running_mean
-    out.running_var = module.running_var
-    out.num_batches_tracked = module.num_batches_tracked
-    out.training = module.training
+        out.weight, out.bias = module.weight, module.bias
+    out.running_mean, out.running_var = module.running_mean, module.running_var
+    out.num_batches_tracked, out.training = module.num_batches_tracked, module.training
     if hasattr(module, "qconfig"):
         out.qconfig = module.qconfig
     return out
 
 
 def has_sync_batchnorm(module: Any) -> bool:
-    """True if ``module`` (a ``torch.nn.Module``, or anything else: False) contains a :class:`SyncBatchNorm`;
-    for ``DistOpt.join()`` to refuse, on every rank alike, a model it cannot shadow."""
+    """True if ``module`` (a ``torch.nn.Module``, or anything else: False) contains a :class:`SyncBatchNorm`; for
+    ``DistOpt.join()`` to refuse, on every rank alike, a model it cannot shadow."""
     modules = getattr(module, "modules", None)
     return callable(modules) and any(isinstance(m, (SyncBatchNorm, SyncForward)) for m in modules())

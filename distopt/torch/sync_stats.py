@@ -1,7 +1,6 @@
-"""The arithmetic and collectives of synchronized batch normalization (:mod:`distopt.torch.sync_batchnorm`):
-the global statistics in one all-reduce, the forward and backward formulas, the layer's communicator.
-
-See :mod:`distopt.torch.sync_batchnorm` for what travels per layer and step.
+"""The arithmetic and collectives of synchronized batch normalization (:mod:`distopt.torch.sync_batchnorm`, which
+says what travels per layer and step): the global statistics in one all-reduce, the forward and backward formulas, the
+layer's communicator.
 """
 from __future__ import annotations
 
@@ -83,8 +82,8 @@ def _all_reduce(comm: Communicator, packed: torch.Tensor, what: str) -> torch.Te
 
 
 def _count_on_host(x: torch.Tensor, comm: Communicator) -> bool:
-    """Whether the count travels apart from the sums, on the host: the sums stay on a GPU (the NCCL
-    backend, or the torch backend with a CUDA input, which torch sends over NCCL)."""
+    """Whether the count travels apart from the sums, on the host: the sums stay on a GPU (the NCCL backend, or the
+    torch backend with a CUDA input, which torch sends over NCCL)."""
     return comm.name == "nccl" or (comm.name == "torch" and x.is_cuda)
 
 
@@ -94,13 +93,12 @@ def _shape(x: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """``y = (x - mean) * invstd * weight + bias`` with the global ``mean``/``invstd``; the backward
-    all-reduces the two per-channel gradient sums (torch's ``batch_norm_backward_reduce``/``_elemt``)."""
+    """``y = (x - mean) * invstd * weight + bias`` with the global ``mean``/``invstd``; the backward all-reduces the
+    two per-channel gradient sums (torch's ``batch_norm_backward_reduce``/``_elemt``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                mean: torch.Tensor, invstd: torch.Tensor, count: float, comm: Communicator,
-                what: str) -> torch.Tensor:
+                mean: torch.Tensor, invstd: torch.Tensor, count: float, comm: Communicator, what: str) -> torch.Tensor:
         dims, shape = _shape(x)
         y = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
         if weight is not None:
@@ -135,28 +133,26 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 def sync_train(layer: Any, x: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                 weight: torch.Tensor | None, bias: torch.Tensor | None, factor: float, eps: float,
                 comm: Communicator, what: str) -> torch.Tensor:
-    """``F.batch_norm(x, running_mean, running_var, weight, bias, True, factor, eps)`` over the global batch
-    of every rank (collective: one all-reduce in forward, one in backward); the running statistics (when
-    given) take the global mean and unbiased variance by ``factor``."""
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, True, factor, eps)`` over the global batch of every
+    rank (collective: one all-reduce in forward, one in backward); the running statistics (when given) take the global
+    mean and unbiased variance by ``factor``."""
     mean, var, count = global_stats(layer.num_features, x, comm, what)
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
             unbiased = var * (count / (count - 1))
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
-    invstd = torch.rsqrt(var + eps)
-    return _SyncBatchNormFunction.apply(x, weight, bias, mean, invstd, count, comm, what)
+    return _SyncBatchNormFunction.apply(x, weight, bias, mean, torch.rsqrt(var + eps), count, comm, what)
 
 
 def global_stats(channels: int, x: torch.Tensor, comm: Communicator,
                  what: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The global per-channel mean and biased variance (float64) and the global count of ``x`` (``channels``
-    channels in dim 1), in ONE all-reduce.
+    """The global per-channel mean and biased variance (float64) and the global count of ``x`` (``channels`` channels
+    in dim 1), in ONE all-reduce.
 
-    A rank whose input is unusable still joins the all-reduce with a NaN count, so every rank raises.
-    Where the sums stay on a GPU (NCCL, or torch's NCCL for CUDA inputs) the count travels first in a
-    small host all-reduce of its own, so that no layer waits for the device to read it back; every rank
-    then raises, if one must, before the sums move.
+    A rank whose input is unusable still joins the all-reduce with a NaN count, so every rank raises. Where the sums
+    stay on a GPU (NCCL, or torch's NCCL for CUDA inputs) the count travels first in a small host all-reduce of its
+    own, so that no layer waits for the device to read it back, and every rank raises before the sums move.
     """
     problem = input_problem(channels, x)
     local = float("nan") if problem is not None else float(x.numel() // channels) if channels else 0.0

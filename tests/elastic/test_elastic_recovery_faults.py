@@ -10,7 +10,6 @@ asserts that no agent or worker outlived its job.
 """
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -75,7 +74,7 @@ def test_second_death_while_the_world_reforms(tmp_path: Path, elastic_reference:
         if code == 0:
             assert kept == [], f"node {node}'s commits outlived the run: {kept}"
         else:
-            assert len(kept) == 1 and re.fullmatch(rf"distopt-elastic-{run_id}/commit-2\.rank\d\.pt", kept[0]), kept
+            assert kept == [f"distopt-elastic-{run_id}/commit-2.part{k}of4.pt" for k in range(4)], kept
     _assert_nothing_in_dev_shm(run_id)
     took = resumed_after(rows, killed)
     bound = 60 + (JOIN_WAIT if phase == "join" else 0)
@@ -86,11 +85,12 @@ def test_second_death_while_the_world_reforms(tmp_path: Path, elastic_reference:
 
 
 def test_death_inside_a_commit_before_it_is_written(tmp_path: Path, elastic_reference: Reference) -> None:
-    """Three nodes; the last rank's node is killed inside commit 3 while the others wait in the commit's
-    collective (the AdamW state's consolidation): no node wrote commit 3, and the two survivors resume from
-    commit 2, the previous complete one, as the reference of three nodes up to commit 2 and two from it."""
+    """Three nodes; the last rank's node is killed inside commit 3 before its AdamW shard is taken, while the
+    others wait in the commit's first broadcast: no node holds its part of commit 3, and the two survivors
+    resume from commit 2, the previous complete one, as the reference of three nodes up to commit 2 and two
+    from it."""
     run_id = f"commit-c-{uuid.uuid4().hex[:8]}"
-    job, out = start_job(tmp_path, "out", 3, ["--die-in-commit", "3", "--die-at", "consolidate"], run_id)
+    job, out = start_job(tmp_path, "out", 3, ["--die-in-commit", "3", "--die-at", "shard"], run_id)
     try:
         job.kill_node(out / "paused-commit.rank2")
         killed = time.time()
@@ -110,16 +110,17 @@ def test_death_inside_a_commit_before_it_is_written(tmp_path: Path, elastic_refe
     _assert_nothing_in_dev_shm(run_id)
     assert_exactly_once(rows, 3, 2, 2)
     assert_same_final(out, elastic_reference(3, 2, 2))
-    print(f"death in a commit's consolidation: the world of two stepped {resumed_after(rows, killed):.1f} s "
+    print(f"death in a commit before its shard: the world of two stepped {resumed_after(rows, killed):.1f} s "
           "after the kill")
 
 
 def test_death_while_writing_a_commit(tmp_path: Path, elastic_reference: Reference) -> None:
-    """Three nodes; the last rank's worker is killed (its agent lives) when half of its commit 3 file is
-    written, under the temporary name; the other nodes wrote commit 3. The three nodes re-form: the killed
-    writer's node holds commit 2 and the half-written file, which no rank reads; it receives commit 3 by
-    broadcast, and the job ends as the reference of three nodes up to commit 3 and three from it. After the
-    node's next commit it keeps that commit alone (no half-written file, no older commit)."""
+    """Three nodes; the last rank's worker is killed (its agent lives) when half of its own part of commit 3
+    is written, under the temporary name, after the part was broadcast: the other nodes hold every part of
+    commit 3. The three nodes re-form: the killed writer's node holds commit 2, two parts of commit 3 and the
+    half-written file, which no rank reads; it receives the missing part by broadcast, and the job ends as the
+    reference of three nodes up to commit 3 and three from it. After the node's next commit it keeps that
+    commit alone (no half-written file, no older commit)."""
     run_id = f"commit-w-{uuid.uuid4().hex[:8]}"
     job, out = start_job(tmp_path, "out", 3, ["--die-in-commit", "3", "--die-at", "write"], run_id)
     try:
@@ -139,7 +140,7 @@ def test_death_while_writing_a_commit(tmp_path: Path, elastic_reference: Referen
     resumed = _resumed(rows)
     assert len(resumed) == 3 and all(r["world"] == 3 and r["commits"] == 3 for r in resumed), resumed
     after = [r for r in rows if r["event"] == "commit" and r["resumed"] and r["node"] == victim_node]
-    assert after and after[0]["files"] == [f"commit-{after[0]['commits']}.rank{after[0]['rank']}.pt"], \
+    assert after and after[0]["files"] == [f"commit-{after[0]['commits']}.part{k}of3.pt" for k in range(3)], \
         f"{victim_node} after its first commit in the new world holds {after[0]['files'] if after else None}"
     for node in range(3):
         assert node_commits(tmp_path, node) == [], f"node {node}'s commits outlived the run"
@@ -179,7 +180,7 @@ def test_all_but_one_die_then_a_relaunch_resumes(tmp_path: Path, elastic_referen
                  f"--rdzv-id {run_id} resumes from it"):
         assert text in log, f"{text!r} not in the last agent's log:\n{log[-4000:]}"
     kept = node_commits(tmp_path, last)
-    assert len(kept) == 1 and kept[0].startswith(f"distopt-elastic-{run_id}/commit-2.rank"), kept
+    assert kept == [f"distopt-elastic-{run_id}/commit-2.part{k}of3.pt" for k in range(3)], kept
     _assert_nothing_in_dev_shm(run_id)
 
     launched = time.time()
@@ -194,7 +195,7 @@ def test_all_but_one_die_then_a_relaunch_resumes(tmp_path: Path, elastic_referen
     starts = _resumed(rows)
     assert len(starts) == 2 and all(r["world"] == 2 and r["commits"] == 2 for r in starts), starts
     fresh = next(r for r in starts if r["node"] == "node3")  # it received commit 2 by broadcast, and keeps it
-    assert fresh["files"] == [f"commit-2.rank{fresh['rank']}.pt"], fresh["files"]
+    assert fresh["files"] == [f"commit-2.part{k}of3.pt" for k in range(3)], fresh["files"]
     assert node_commits(tmp_path, last) == [] and node_commits(tmp_path, 3) == []
     assert_exactly_once(read_steps(out) + rows, 3, 2, 2)
     assert_same_final(again, elastic_reference(3, 2, 2))

@@ -86,16 +86,17 @@ def test_sampler_refuses_a_state_of_another_dataset() -> None:
 
 def test_snapshot_dir_keeps_the_newest_commit_alone(tmp_path: Path) -> None:
     d = SnapshotDir("job", tmp_path)
-    assert d.newest() is None
-    d.write(1, 0, b"one")
-    d.write(1, 1, b"one")  # the node's rank changed (the world re-formed): both commit 1 files stay
-    assert sorted(p.name for p in d.path.iterdir()) == ["commit-1.rank0.pt", "commit-1.rank1.pt"]
-    (d.path / f".commit-2.rank1.pt.host.999999.x{TMP_SUFFIX}").write_bytes(b"tw")  # killed mid-write of commit 2
-    assert d.newest()[0] == 1  # a temporary file is never read
-    d.write(2, 0, b"two")
-    assert sorted(p.name for p in d.path.iterdir()) == ["commit-2.rank0.pt"]
-    seq, path = d.newest()
-    assert seq == 2 and path.read_bytes() == b"two"
+    assert d.newest() is None and d.held() == {}
+    d.write(1, 0, 2, b"one-0")
+    d.write(1, 1, 2, b"one-1")  # a sharded commit: one part per rank
+    assert sorted(p.name for p in d.path.iterdir()) == ["commit-1.part0of2.pt", "commit-1.part1of2.pt"]
+    (d.path / f".commit-2.part1of2.pt.host.999999.x{TMP_SUFFIX}").write_bytes(b"tw")  # killed mid-write
+    assert d.newest() == 1 and sorted(d.held()) == [(1, 2)]  # a temporary file is never read
+    d.write(2, 0, 1, b"two")
+    assert sorted(p.name for p in d.path.iterdir())[-2:] == ["commit-1.part1of2.pt", "commit-2.part0of1.pt"]
+    d.prune(2)  # once every rank stored commit 2
+    assert sorted(p.name for p in d.path.iterdir()) == ["commit-2.part0of1.pt"]
+    assert d.newest() == 2 and d.held()[(2, 1)][0].read_bytes() == b"two"
     d.remove()
     assert not d.path.exists() and d.newest() is None
 
@@ -162,7 +163,7 @@ def test_lost_world_line_says_where_the_commit_stays(tmp_path: Path) -> None:
     from distopt.elastic.run import _lost_world
 
     kept = SnapshotDir("job7", tmp_path)
-    kept.write(2, 0, b"two")
+    kept.write(2, 0, 1, b"two")
     line = _lost_world(RuntimeError("peer gone"), 0, 3, kept, "job7", torchrun=True)
     assert line.startswith("distopt.elastic: rank 0 of 3 lost the world (RuntimeError: peer gone)")
     assert "fewer nodes than torchrun's --nnodes MIN are left" in line and "RendezvousTimeoutError" in line
@@ -173,17 +174,19 @@ def test_lost_world_line_says_where_the_commit_stays(tmp_path: Path) -> None:
 
 def test_agents_on_one_host_keep_their_commits_apart(tmp_path: Path) -> None:
     """Several torchrun agents of one run on one host: a writer's clean-up never removes another agent's
-    commit or half-written file, and every agent (a relaunch's too) finds the host's newest commit."""
+    commit or half-written file, and every agent (a relaunch's too) finds every part on the host."""
     first, second = SnapshotDir("job", tmp_path, agent=101), SnapshotDir("job", tmp_path, agent=202)
-    second.write(1, 1, b"one")
-    half = second.path / f".commit-2.rank1.pt.host.4242.x{TMP_SUFFIX}"  # the second agent's writer, mid-write
+    second.write(1, 1, 2, b"one")
+    half = second.path / f".commit-2.part1of2.pt.host.4242.x{TMP_SUFFIX}"  # the second agent's writer, mid-write
     half.write_bytes(b"tw")
-    first.write(2, 0, b"two")
-    assert half.exists() and (second.path / "commit-1.rank1.pt").exists()
+    first.write(2, 0, 2, b"two-0")
+    first.prune(2)
+    assert half.exists() and (second.path / "commit-1.part1of2.pt").exists()
+    second.write(2, 1, 2, b"two-1")
     relaunched = SnapshotDir("job", tmp_path, agent=303)
     for d in (first, second, relaunched):
-        seq, path = d.newest()
-        assert seq == 2 and path.read_bytes() == b"two"
+        parts = d.held()[(2, 2)]
+        assert d.newest() == 2 and [parts[k].read_bytes() for k in (0, 1)] == [b"two-0", b"two-1"]
     relaunched.remove()
     assert not first.run.exists()
 

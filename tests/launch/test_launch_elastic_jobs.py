@@ -247,6 +247,6 @@ def test_a_run_that_cannot_go_on_stops_with_a_clear_message(tmp_path: Path, npro
     assert f"rank {nproc - 1} was killed by signal SIGKILL" in err
     assert why in err, err
     assert f"commit {COMMIT} stays in {commits}: the same command with --run-id {launch.run_id} resumes" in err
-    assert kept == [f"commit-{COMMIT}.rank0.pt"], kept
+    assert kept == [f"commit-{COMMIT}.part{k}of{nproc}.pt" for k in range(nproc)], kept  # one part per rank
     assert {r["world"] for r in launch.rows()} == {nproc}, "a second world was started"
     print(f"stop: from the kill to the launcher's exit {took:.2f} s")

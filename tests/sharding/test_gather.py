@@ -9,6 +9,7 @@ import pytest
 
 from distopt.comm.single import SingleCommunicator
 from distopt.core.buckets import plan_buckets
+from distopt.core.bucket_run import BucketRun
 from distopt.sharding.gather import ParamGather
 from distopt.sharding.plan import plan_shards
 from tests.support.backends import run_case
@@ -24,6 +25,10 @@ def _buckets() -> list:
     return buckets
 
 
+def _runs(buckets: list) -> list[BucketRun]:
+    return [BucketRun(i, b, 0) for i, b in enumerate(buckets)]
+
+
 def case_gather(rank: int, comm, keep: bool) -> tuple[list[np.ndarray], int]:
     """Each rank's segments hold its rank number + 1, the rest NaN; one synchronous gather. Returns the
     parameters and the number of buffers kept for later steps."""
@@ -33,7 +38,7 @@ def case_gather(rank: int, comm, keep: bool) -> tuple[list[np.ndarray], int]:
     for p in plan.pieces:
         params[p.index].reshape(-1)[p.start:p.stop] = rank + 1
     buffers: list[np.ndarray | None] = [None] * len(buckets)
-    ParamGather(comm, buckets, plan, params, buffers, lambda what: contextlib.nullcontext(), False, keep).start()
+    ParamGather(comm, _runs(buckets), plan, params, buffers, lambda what: contextlib.nullcontext(), False, keep).start()
     return params, sum(b is not None for b in buffers)
 
 
@@ -45,7 +50,7 @@ def _gather_peak(keep: bool) -> int:
     params = [np.ones(s, dtype=np.float32) for s in SHAPES]
     tracemalloc.start()
     try:
-        ParamGather(comm, buckets, plan, params, [None] * len(buckets), lambda what: contextlib.nullcontext(), False,
+        ParamGather(comm, _runs(buckets), plan, params, [None] * len(buckets), lambda what: contextlib.nullcontext(), False,
                     keep).start()
         return tracemalloc.get_traced_memory()[1]
     finally:

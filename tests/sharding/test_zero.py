@@ -152,6 +152,22 @@ def test_checkpoint_saved_at_two_resumes_at_one_two_and_three(backend):
             _same([r["params"] for r in ref], [g["params"] for g in got], world, f"shards -> zero={zero} W={world}")
 
 
+@pytest.mark.parametrize("backend", tiered(["sim", "mpi"]))
+@pytest.mark.parametrize("saved_at", [1, 2, 3])
+def test_shards_with_parameters_stream_into_a_fresh_model_at_every_stage(backend, saved_at):
+    """Shards holding the parameters' elements (``params=True``), read one at a time into a model built
+    from another seed, at W-1, W and W+1 and every stage: bitwise what the consolidated checkpoint gives."""
+    first = run_case(backend, 2, cases.case_resume, saved_at, None, None, 2)
+    shards = [f["shard_params"] for f in first]
+    for world in (1, 2, 3):
+        ref = run_case(backend, world, cases.case_resume, saved_at, first[0]["full"], None, 2)
+        for zero in (1, 2, 3):
+            got = run_case(backend, world, cases.case_resume, zero, None, shards, 2, True)
+            for r, (a, b) in enumerate(zip(ref, got)):
+                for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+                    assert torch.equal(x, y), f"W=2 zero={saved_at} -> W={world} zero={zero}: rank {r} param {i}"
+
+
 @pytest.mark.unit
 def test_sharded_state_of_another_rank_is_refused():
     first = run_case("sim", 2, cases.case_resume, 1, None, None, 1)

@@ -117,17 +117,31 @@ def case_torch(rank: int, comm: Any, zero: int, optimizer: str, options: dict[st
 
 
 def case_resume(rank: int, comm: Any, zero: int, blob: bytes | None, sharded_blobs: list[bytes] | None,
-                steps: int) -> dict[str, Any]:
+                steps: int, params_in_shards: bool = False) -> dict[str, Any]:
     """Adam: from a saved consolidated state (``blob``) or the list of every rank's sharded states, run
     ``steps`` more steps; without either, run ``steps`` from the start. Returns the parameters, the
-    consolidated state and this rank's sharded state."""
+    consolidated state and this rank's sharded state (``"shard"``; ``"shard_params"``: with its parameter
+    elements). ``params_in_shards``: the model starts from another seed and its trained parameters come from
+    the shards' elements (``state_dict(sharded=True, params=True)``), streamed one shard at a time."""
     import torch
 
     torch.set_num_threads(1)
-    model = _model()
+    model = _model(seed=9 if params_in_shards else 0)
     opt = distopt.DistOpt(_optimizer("adam", model.parameters()), comm=comm, zero=zero, buffSize=40, model=model)
     start = 0
-    if blob is not None or sharded_blobs is not None:
+    if params_in_shards:
+        saved = [torch.load(io.BytesIO(b), weights_only=True) for b in sharded_blobs]
+        read = []
+
+        def one_at_a_time() -> Any:
+            for shard in saved:
+                read.append(shard["distopt_shard"]["rank"])
+                yield shard
+
+        opt.load_state_dict(distopt.ShardStream([{"world_size": 2, "rank": r} for r in range(2)], one_at_a_time()))
+        assert read == [0, 1], read
+        start = 2
+    elif blob is not None or sharded_blobs is not None:
         saved = torch.load(io.BytesIO(blob), weights_only=True) if blob is not None else \
             [torch.load(io.BytesIO(b), weights_only=True) for b in sharded_blobs]
         model.load_state_dict((saved if blob is not None else saved[0])["distopt_model"])
@@ -140,6 +154,7 @@ def case_resume(rank: int, comm: Any, zero: int, blob: bytes | None, sharded_blo
         opt.step()
     full = {**opt.state_dict(), "distopt_model": model.state_dict()}
     shard = {**opt.state_dict(sharded=True), "distopt_model": model.state_dict()} if zero else None
+    with_params = opt.state_dict(sharded=True, params=True) if zero else None
 
     def dump(obj: Any) -> bytes:
         f = io.BytesIO()
@@ -147,7 +162,8 @@ def case_resume(rank: int, comm: Any, zero: int, blob: bytes | None, sharded_blo
         return f.getvalue()
 
     return {"params": _params(model, opt), "full": dump(full),
-            "shard": None if shard is None else dump(shard)}
+            "shard": None if shard is None else dump(shard),
+            "shard_params": None if with_params is None else dump(with_params)}
 
 
 def case_mismatched_zero(rank: int, comm: Any) -> str:
@@ -267,3 +283,40 @@ def case_save_load(rank: int, comm: Any, zero: int, path: str, load: bool) -> li
     if not load:
         distopt.save(path, model.state_dict(), opt)
     return _params(model, opt)
+
+
+def case_elastic_parts(rank: int, comm: Any, zero: int, parts: list[bytes] | None, steps: int) -> dict[str, Any]:
+    """Adam under an elastic ``State`` at ``zero``: without ``parts``, 2 steps then a commit (this rank's part
+    and the consolidated state's size in bytes are returned); with them, a model of another seed restores
+    the commit from its parts, read one at a time, then runs ``steps`` more steps (as :func:`case_resume`)."""
+    import torch
+
+    from distopt import elastic
+
+    torch.set_num_threads(1)
+    model = _model(seed=9 if parts else 0)
+    opt = distopt.DistOpt(_optimizer("adam", model.parameters()), comm=comm, zero=zero, buffSize=40, model=model)
+    state = elastic.State(model=model, optimizer=opt, step=0)
+    out: dict[str, Any] = {}
+    if parts is None:
+        for s in range(2):
+            opt.zero_grad()
+            model(_batch(rank % 2, s)).pow(2).mean().backward()
+            opt.step()
+            state.step += 1
+        state.commit()
+        out["part"] = state._committed
+        f = io.BytesIO()
+        torch.save(opt.state_dict(), f)
+        out["consolidated_bytes"] = len(f.getvalue())
+        steps = 0
+    else:
+        state.load(1, 0, len(parts), lambda: iter(parts))
+        assert state.step == 2 and state.commits == 1
+    for s in range(2, 2 + steps):
+        opt.zero_grad()
+        model(_batch(rank % 2, s)).pow(2).mean().backward()
+        opt.step()
+    out["params"] = _params(model, opt)
+    opt.close()
+    return out

@@ -1,21 +1,15 @@
-"""The shm backend's collectives: all-reduce, broadcast and the gathers over the control rows (the
-sharded ones, reduce-scatter, in-place all-gather and all-to-all, are in :mod:`~distopt.comm.shm.shards`).
+"""The shm backend's collectives: all-reduce, broadcast and the gathers over the control rows (the sharded ones,
+reduce-scatter, in-place all-gather and all-to-all, are in :mod:`~distopt.comm.shm.shards`).
 
-``all_reduce`` is a reduce-scatter followed by an all-gather, as in the
-bandwidth-optimal algorithms of Patarasuk & Yuan (2009, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations") and NCCL's ring. With N
-ranks, rank r reduces the r-th 1/N slice of the elements across all ranks'
-inputs, writes it into its own segment and publishes ``reduced = c``; every
-rank then copies the other N - 1 slices out. Rank r never copies its own
-input slice into shared memory (it reads it from the caller's array), so each
-rank copies (N-1)/N of the array's bytes in and as many out. Reductions add
-in rank order (:func:`~distopt.comm.rank_order.reduce_in_rank_order`), so
-float results are deterministic and identical on every rank; float16 is
-accumulated in float32 (``"avg"`` divides there, before rounding). The
-reduction runs over 256 KiB chunks so the accumulator stays in cache. An
-array of at most 8 KiB skips the reduce-scatter: every rank publishes all of
-it and reduces the whole array from every rank's copy, in the same rank
-order (the same bits), so it waits for its peers once instead of twice.
+``all_reduce`` is a reduce-scatter followed by an all-gather, as in the bandwidth-optimal algorithms of Patarasuk &
+Yuan (2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations") and NCCL's ring. With N ranks,
+rank r reduces the r-th 1/N slice of the elements across all ranks' inputs, writes it into its own segment and
+publishes ``reduced = c``; every rank then copies the other N - 1 slices out. Rank r never copies its own input slice
+into shared memory (it reads it from the caller's array), so each rank copies (N-1)/N of the array's bytes in and as
+many out. Reductions add in rank order (:func:`~distopt.comm.rank_order.reduce_in_rank_order`), so float results are
+deterministic and identical on every rank; float16 is accumulated in float32 (``"avg"`` divides there, before
+rounding). An array of at most 8 KiB skips the reduce-scatter: every rank publishes all of it and reduces the whole
+array from every rank's copy, in the same rank order (the same bits), so it waits for its peers once instead of twice.
 """
 from __future__ import annotations
 
@@ -39,14 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ShmCommunicator"]
 
-# Bytes of accumulator a reduction works on at a time (stays in L2 cache;
-# 256 KiB measured fastest against 64 KiB, 1 MiB and 4 MiB).
+# Bytes of accumulator a reduction works on at a time (stays in L2; 256 KiB measured fastest against 64 KiB-4 MiB).
 _CHUNK_BYTES = 1 << 18
 _SLICE_ALIGN = 64  # bytes; reduce-scatter slices start on cache lines
 _SMALL_BYTES = 8192  # an all-reduce of at most this many bytes is reduced whole by every rank
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
-
-
 _built_from_launch: dict[str, int] = {}  # job id -> communicators this process built from it
 
 
@@ -56,26 +47,21 @@ class ShmCommunicator(ShmShards, CommunicatorState):
     Args:
         rank: this process's rank, ``0 <= rank < size``.
         size: the number of processes.
-        job_id: the id every process of the job shares
-            (:attr:`distopt.launch.nccl_id.NcclIdHolder.job_id`); letters, digits,
-            ``_`` and ``-``.
-        timeout: deadline of the rendezvous and of each collective, in
-            seconds. Default: ``$DISTOPT_TIMEOUT``, else
+        job_id: the id every process of the job shares (:attr:`distopt.launch.nccl_id.NcclIdHolder.job_id`);
+            letters, digits, ``_`` and ``-``.
+        timeout: deadline of the rendezvous and of each collective, in seconds. Default: ``$DISTOPT_TIMEOUT``, else
             :data:`~distopt.comm.base.DEFAULT_TIMEOUT`.
 
     Raises:
         ValueError: bad rank, size, job id or timeout.
-        BackendUnavailableError: ``size > 1`` on a CPU other than x86
-            (see :mod:`distopt.comm.shm.rows`).
+        BackendUnavailableError: ``size > 1`` on a CPU other than x86 (see :mod:`distopt.comm.shm.rows`).
         FileExistsError: a communicator for ``job_id`` is already open.
         CollectiveMismatchError: ranks were given different sizes.
         CollectiveTimeoutError: not every rank joined before the deadline.
 
-    Every collective raises :class:`~distopt.errors.CollectiveTimeoutError`
-    naming the operation, its number and the missing ranks when they do not
-    arrive in time, or promptly when one has exited or closed; the
-    communicator should be closed after that. A
-    :class:`~distopt.errors.CollectiveMismatchError` leaves it usable.
+    Every collective raises :class:`~distopt.errors.CollectiveTimeoutError` naming the operation, its number and the
+    missing ranks when they do not arrive in time, or promptly when one has exited or closed; the communicator should
+    be closed after that. A :class:`~distopt.errors.CollectiveMismatchError` leaves it usable.
     """
 
     name = "shm"
@@ -113,8 +99,7 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         """Element range of rank p's reduce-scatter slice of n elements."""
         unit = max(1, _SLICE_ALIGN // itemsize)
         units = -(-n // unit)
-        return (min(n, units * p // self.size * unit),
-                min(n, units * (p + 1) // self.size * unit))
+        return min(n, units * p // self.size * unit), min(n, units * (p + 1) // self.size * unit)
 
     @staged
     @collective
@@ -122,21 +107,17 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         """Reduce ``array`` across ranks in place (reduce-scatter + all-gather).
 
         Args:
-            array: C-contiguous NumPy array, same element count and dtype on
-                every rank.
-            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; see
-                :meth:`distopt.comm.base.Communicator.all_reduce`.
+            array: C-contiguous NumPy array, same element count and dtype on every rank.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; see :meth:`distopt.comm.base.Communicator.all_reduce`.
 
         Returns:
             ``array``, holding the result (identical on every rank).
 
         Raises:
-            TypeError: not a NumPy array, unsupported dtype, integer ``avg``
-                or a non-contiguous array (checked locally, before any
-                communication).
+            TypeError: not a NumPy array, unsupported dtype, integer ``avg`` or a non-contiguous array (checked
+                locally, before any communication).
             CollectiveMismatchError: element counts, dtypes or ops differ.
-            CollectiveTimeoutError: a rank did not arrive in time, exited or
-                closed.
+            CollectiveTimeoutError: a rank did not arrive in time, exited or closed.
         """
         require_ndarray(array)
         check_reduce_args(array, op)
@@ -160,7 +141,8 @@ class ShmCommunicator(ShmShards, CommunicatorState):
             ctl.finish(c)
             return array
         views = [flat if p == me else ctl.published(p)[:n * itemsize].view(array.dtype) for p in range(self.size)]
-        self._reduce_slice(views, lo, hi, op)
+        own = self._segments.mine()[:array.nbytes].view(array.dtype)
+        self._reduce_range(views, lo, hi, op, [flat[lo:hi], own[lo:hi]], direct=me < 2)
         ctl.rows[me, REDUCED] = c
         for k in range(1, self.size):
             p = (me + k) % self.size
@@ -180,24 +162,18 @@ class ShmCommunicator(ShmShards, CommunicatorState):
             if out is not acc:
                 out[...] = acc
 
-    def _reduce_slice(self, views: list[np.ndarray], lo: int, hi: int, op: str) -> None:
-        """Reduce elements [lo, hi) of every rank's input in rank order.
-
-        The result goes into this rank's data segment (for the peers) and into
-        ``views[rank]``, the caller's array. Ranks 0 and 1 accumulate directly
-        in the caller's array (their input is consumed by the first addition);
-        the others, and float16, go through a scratch chunk.
-        """
-        dtype = views[0].dtype
-        scratch = self._scratch.view(accumulator_dtype(dtype))
-        own = self._segments.mine()[:views[0].nbytes].view(dtype)
-        mine = views[self.rank]
-        direct = self.rank < 2 and scratch.dtype == dtype
+    def _reduce_range(self, views: list[np.ndarray], lo: int, hi: int, op: str, outs: list[np.ndarray],
+                      direct: bool) -> None:
+        """Reduce elements [lo, hi) of every rank's input (rank order) into each of ``outs`` (``hi - lo`` elements),
+        chunk by chunk of the scratch accumulator; ``direct``: accumulate in ``outs[0]`` instead where the dtype is its
+        own accumulator (all-reduce: ranks 0 and 1, whose input the first addition consumes)."""
+        scratch = self._scratch.view(accumulator_dtype(views[0].dtype))
+        direct = direct and scratch.dtype == views[0].dtype
         for start in range(lo, hi, scratch.size):
             stop = min(start + scratch.size, hi)
-            result = mine[start:stop]
-            acc = result if direct else scratch[:stop - start]
-            self._reduce([view[start:stop] for view in views], op, acc, own[start:stop], result)
+            chunk = [out[start - lo:stop - lo] for out in outs]
+            acc = chunk[0] if direct else scratch[:stop - start]
+            self._reduce([view[start:stop] for view in views], op, acc, *chunk)
 
     @staged
     @collective
@@ -283,10 +259,9 @@ class ShmCommunicator(ShmShards, CommunicatorState):
     def split(self, ranks: Sequence[int]) -> ShmCommunicator | None:
         """A communicator of ``ranks`` (ascending, renumbered from 0) on segments of its own; None outside them.
 
-        Collective: every rank calls it with the same ranks, in the same
-        order (use :func:`distopt.comm.groups.split`, which checks that
-        first). The k-th split of a communicator names its segments
-        ``<job_id>-g<k>``, so groups of the same ranks never share memory.
+        Collective: every rank calls it with the same ranks, in the same order (use :func:`distopt.comm.groups.split`,
+        which checks that first). The k-th split of a communicator names its segments ``<job_id>-g<k>``, so groups of
+        the same ranks never share memory.
         """
         self._splits[0] += 1
         job_id = f"{self.job_id}-g{self._splits[0]}"
@@ -309,10 +284,9 @@ class ShmCommunicator(ShmShards, CommunicatorState):
     def close(self) -> None:
         """Unmap everything and unlink the segments this rank created; idempotent.
 
-        First waits (up to the timeout; not for peers that exited or closed)
-        until every peer has finished the last collective this rank
-        completed, since a peer may still be reading this rank's segment.
-        Peers waiting on this rank in a later collective then fail promptly.
+        First waits (up to the timeout; not for peers that exited or closed) until every peer has finished the last
+        collective this rank completed, since a peer may still be reading this rank's segment. Peers waiting on this
+        rank in a later collective then fail promptly.
         """
         if self.closed:
             return
@@ -322,5 +296,4 @@ class ShmCommunicator(ShmShards, CommunicatorState):
         self._segments.close()
 
     def __repr__(self) -> str:
-        return (f"ShmCommunicator(rank={self.rank}, size={self.size}, "
-                f"job_id={self.job_id!r}, timeout={self.timeout:g})")
+        return f"ShmCommunicator(rank={self.rank}, size={self.size}, job_id={self.job_id!r}, timeout={self.timeout:g})"

@@ -1,38 +1,30 @@
 """The control rows of a shm job and the protocol every collective follows on them.
 
-The control segment holds one row of int64 slots per rank: its PID, state,
-three monotonically increasing counters (``arrive``, ``reduced``, ``done``,
-each set to the number of the collective the rank has reached), the
-generation of its data segment and two collective descriptors (kind, element
-count, dtype, op or root), used alternately by odd and even collectives.
+The control segment holds one row of int64 slots per rank: its PID, state, three monotonically increasing counters
+(``arrive``, ``reduced``, ``done``, each set to the number of the collective the rank has reached), the generation of
+its data segment and two collective descriptors (kind, element count, dtype, op or root), used alternately by odd and
+even collectives.
 
 A collective ``#c`` on rank ``r`` runs:
 
-1. wait until every rank has ``done >= c - 1`` (nobody still reads the
-   previous collective's data from r's segment), copy the input into r's
-   data segment (a new, larger generation if needed), write the descriptor,
-   then publish ``arrive = c``;
-2. wait until every rank has ``arrive >= c`` and compare the descriptors:
-   any difference raises :class:`~distopt.errors.CollectiveMismatchError`
-   on every rank (all ranks read the same descriptors) before any data moves;
+1. wait until every rank has ``done >= c - 1`` (nobody still reads the previous collective's data from r's segment),
+   copy the input into r's data segment (a new, larger generation if needed), write the descriptor, then publish
+   ``arrive = c``;
+2. wait until every rank has ``arrive >= c`` and compare the descriptors: any difference raises
+   :class:`~distopt.errors.CollectiveMismatchError` on every rank (all ranks read the same descriptors) before any
+   data moves;
 3. move the data; publish ``done = c``.
 
-Memory ordering: a rank writes data and descriptors with plain NumPy stores,
-then the counter (one aligned 8-byte store); readers load the counter, then
-the data. On x86-64 (total store order) this is sufficient; glibc's memcpy
-fences its non-temporal stores. Weakly ordered CPUs (ARM, POWER) would need
-explicit fences, which CPython does not expose: on any other CPU a world of
-more than one process is refused (:func:`check_platform`).
+Memory ordering: a rank writes data and descriptors with plain NumPy stores, then the counter (one aligned 8-byte
+store); readers load the counter, then the data. On x86-64 (total store order) this is sufficient; glibc's memcpy
+fences its non-temporal stores. Weakly ordered CPUs (ARM, POWER) would need explicit fences, which CPython does not
+expose: on any other CPU a world of more than one process is refused (:func:`check_platform`).
 
-Waiting busy-polls the counters for 0.2 ms (keeping the core, as MPI does:
-under load, giving it up costs a scheduler time slice; ``time.sleep(0)`` is
-no cheap poll, it sleeps for the timer slack, about 50-75 us), then polls
-with ``os.sched_yield()`` until 20 ms (letting another runnable rank have the
-core when there are more ranks than cores; a longer busy phase slowed 1 MiB
-all-reduces when two ranks shared a core), then sleeps with exponential
-backoff from 50 us up to 1 ms. Every wait has the collective's deadline;
-while waiting, the PIDs of missing peers are checked every 0.5 s, so a dead
-(or closed) peer raises within about a second instead of at the deadline.
+Waiting busy-polls the counters for 0.2 ms (keeping the core, as MPI does: under load, giving it up costs a scheduler
+time slice, and ``time.sleep(0)`` sleeps for the timer slack, about 50-75 us), then yields with ``os.sched_yield()``
+until 20 ms (a longer busy phase slowed 1 MiB all-reduces when two ranks shared a core), then sleeps with exponential
+backoff from 50 us up to 1 ms. Every wait has the collective's deadline; the PIDs of missing peers are checked every
+0.5 s, so a dead (or closed) peer raises within about a second.
 """
 from __future__ import annotations
 
@@ -67,13 +59,10 @@ _KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v", "r
           "all_to_all")
 _SHARDED = ("reduce_scatter", "all_gather_into")  # their arg: op index + 8 * CRC-32 of the counts
 
-
 #: The dtypes the shm backend moves, by descriptor code; code ``BFLOAT16`` is ml_dtypes' bfloat16 (NumPy has
 #: none), looked up by name so that importing the backend does not import ml_dtypes (about 1 s of CPU).
-_DTYPES = tuple(np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-))
+_DTYPES = tuple(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                      np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128))
 BFLOAT16 = len(_DTYPES)
 
 
@@ -191,9 +180,8 @@ class ControlRows:
         """Spin until ``rows[p, slot] >= target`` for every p in ``ranks``.
 
         Raises:
-            CollectiveTimeoutError: the deadline passed (naming the ranks still
-                missing and ``what`` they did not do), or a missing peer
-                exited or closed its communicator.
+            CollectiveTimeoutError: the deadline passed (naming the ranks still missing and ``what`` they did not
+                do), or a missing peer exited or closed its communicator.
         """
         values = self.rows[:, slot]
         pending = [p for p in ranks if values[p] < target]
@@ -230,20 +218,18 @@ class ControlRows:
             op: the collective's kind.
             count: its element count.
             code: :func:`dtype_code` of its dtype.
-            arg: the op's index in :data:`~distopt.comm.base.REDUCE_OPS`, or the root; for
-                ``reduce_scatter`` and ``all_gather_into`` the op's index (0 for the
-                gather) plus 8 times :func:`~distopt.comm.base.counts_digest` of the counts.
-            payload: flat uint8 view of the bytes to publish in this rank's
-                data segment, or None.
+            arg: the op's index in :data:`~distopt.comm.base.REDUCE_OPS`, or the root; for ``reduce_scatter`` and
+                ``all_gather_into`` the op's index (0 for the gather) plus 8 times
+                :func:`~distopt.comm.base.counts_digest` of the counts.
+            payload: flat uint8 view of the bytes to publish in this rank's data segment, or None.
             skip: byte range of ``payload`` not to copy (no peer reads it).
 
         Returns:
-            The collective's number, its deadline (``time.monotonic()``) and
-            every rank's element count.
+            The collective's number, its deadline (``time.monotonic()``) and every rank's element count.
 
         Raises:
-            CollectiveMismatchError: the descriptors differ (the collective is
-                then finished on this rank, so the communicator stays usable).
+            CollectiveMismatchError: the descriptors differ (the collective is then finished on this rank, so the
+                communicator stays usable).
             CollectiveTimeoutError: as :meth:`wait`.
         """
         c = self._seq = self._seq + 1
@@ -301,9 +287,7 @@ class ControlRows:
         return counts
 
     def close(self) -> None:
-        """Mark this rank closed, after waiting (up to the timeout; not for peers that exited or closed)
-        until every peer has finished the last collective this rank completed (it may still read this
-        rank's segment). Peers waiting on this rank in a later collective then fail promptly."""
+        """Mark this rank closed, after the wait of :meth:`distopt.comm.shm.communicator.ShmCommunicator.close`."""
         if self.rows is None:
             return
         try:

@@ -1,16 +1,13 @@
 """The shared-memory segments of one job: their names, creation, attachment and removal.
 
-A job id's segments are named ``distopt.<job id>.<what>`` (:func:`segment_prefix`):
-``ctl``, the control segment rank 0 creates, and ``r<rank>.g<generation>``,
-the data segment of one rank. A rank grows its data segment on demand to a
-new name one generation up (sizes double, in bytes, from 64 KiB; the old
-one is unlinked), and peers map a generation when they see its number.
+A job id's segments are named ``distopt.<job id>.<what>`` (:func:`segment_prefix`): ``ctl``, the control segment
+rank 0 creates, and ``r<rank>.g<generation>``, the data segment of one rank. A rank grows its data segment on demand
+to a new name one generation up (sizes double, in bytes, from 64 KiB; the old one is unlinked), and peers map a
+generation when they see its number.
 
-Segments are unlinked by the rank that created them on close or at
-interpreter exit (``weakref.finalize``). A rank killed by a signal cannot
-clean up: its resource tracker unlinks its segments when the tracker's last
-user exits, and :func:`distopt.launch.spawn` sweeps them with
-:func:`unlink_segments` as soon as the job ends.
+Segments are unlinked by the rank that created them on close or at interpreter exit (``weakref.finalize``). A rank
+killed by a signal cannot clean up: its resource tracker unlinks its segments when the tracker's last user exits, and
+:func:`distopt.launch.spawn` sweeps them with :func:`unlink_segments` as soon as the job ends.
 """
 from __future__ import annotations
 
@@ -29,25 +26,22 @@ _MIN_CAPACITY = 1 << 16  # bytes, smallest data segment
 
 
 def segment_prefix(job_id: str) -> str:
-    """Name prefix of every shared-memory segment of ``job_id`` (no leading slash).
-
-    Job ids contain no dots, so the prefix of one job never matches another's.
-    """
+    """Name prefix of every shared-memory segment of ``job_id`` (no leading slash); job ids contain no dots, so the
+    prefix of one job never matches another's."""
     return f"distopt.{job_id}."
 
 
 def unlink_segments(job_id: str, *, untrack: bool = False) -> list[str]:
     """Unlink the segments of ``job_id`` still listed in ``/dev/shm``.
 
-    For use after every process of the job has exited (one killed by a signal
-    cannot unlink its own segments). Linux only; elsewhere returns ``[]``.
+    For use after every process of the job has exited (one killed by a signal cannot unlink its own segments). Linux
+    only; elsewhere returns ``[]``.
 
     Args:
         job_id: the job's id.
-        untrack: also forget the names in this process's resource tracker.
-            Pass True when the workers were started by this process with
-            multiprocessing: they share its tracker, which would otherwise
-            warn about (and retry) these names when it shuts down.
+        untrack: also forget the names in this process's resource tracker. Pass True when the workers were started
+            by this process with multiprocessing: they share its tracker, which would otherwise warn about (and
+            retry) these names when it shuts down.
 
     Returns:
         The names removed.
@@ -70,15 +64,10 @@ def unlink_segments(job_id: str, *, untrack: bool = False) -> list[str]:
 
 
 def _attach(name: str) -> mmap.mmap:
-    """Map an existing segment without registering it with the resource tracker.
-
-    ``SharedMemory(name)`` registers attachments too (Python < 3.13), and the
-    usual fix, unregistering afterwards, also drops the creator's registration
-    when both processes share one tracker (multiprocessing children do).
-
-    Raises:
-        FileNotFoundError: no such segment, or it is not sized yet.
-    """
+    """Map an existing segment without registering it with the resource tracker; ``FileNotFoundError`` if there is no
+    such segment, or it is not sized yet. (``SharedMemory(name)`` registers attachments too (Python < 3.13), and the
+    usual fix, unregistering afterwards, also drops the creator's registration when both processes share one tracker,
+    as multiprocessing children do.)"""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         size = os.fstat(fd).st_size
@@ -164,10 +153,8 @@ class Segments:
         return self._ctl_map
 
     def own(self, nbytes: int) -> np.ndarray:
-        """This rank's data segment (uint8) of at least ``nbytes`` bytes: a new generation if it is smaller.
-
-        Publish :attr:`generations` ``[rank]`` to the peers before they read it.
-        """
+        """This rank's data segment (uint8) of at least ``nbytes`` bytes: a new generation if it is smaller. Publish
+        :attr:`generations` ``[rank]`` to the peers before they read it."""
         me = self.rank
         seg = self._views[me]
         if seg is not None and seg.nbytes >= nbytes:

@@ -1,24 +1,17 @@
 """The shm backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
 
-:class:`ShmShards` is a mixin of :class:`~distopt.comm.shm.communicator.ShmCommunicator`;
-each collective is one arrive/check/finish round on the control rows
-(:mod:`~distopt.comm.shm.rows`), so it waits for its peers once:
+:class:`ShmShards` is a mixin of :class:`~distopt.comm.shm.communicator.ShmCommunicator`; each collective is one
+arrive/check/finish round on the control rows (:mod:`~distopt.comm.shm.rows`), so it waits for its peers once:
 
-* ``reduce_scatter``: every rank publishes its array except its own segment
-  (no peer reads that), then reduces segment ``rank`` of every rank's array,
-  in rank order (:func:`~distopt.comm.rank_order.reduce_in_rank_order`, the
-  order ``all_reduce`` adds in, so the result is bitwise that segment of
-  ``all_reduce``; float16/bfloat16 accumulate in float32, ``"avg"`` divides
-  there), into a new array; ``array`` is left unchanged.
-* ``all_gather_into``: every rank publishes its own segment, then copies the
-  others' into ``array``.
-* ``all_to_all``: every rank publishes its array except row ``rank``, then
-  copies row ``rank`` of every peer's into a new array.
+* ``reduce_scatter``: every rank publishes its array except its own segment (no peer reads that), then reduces
+  segment ``rank`` of every rank's array into a new array, in the rank order ``all_reduce`` adds in
+  (:func:`~distopt.comm.rank_order.reduce_in_rank_order`; float16/bfloat16 accumulate in float32).
+* ``all_gather_into``: every rank publishes its own segment, then copies the others' into ``array``.
+* ``all_to_all``: every rank publishes its array except row ``rank``, then copies row ``rank`` of every peer's into a
+  new array.
 
-The descriptors carry the element count, dtype, op and a CRC-32 of the
-counts, so ranks that differ raise
-:class:`~distopt.errors.CollectiveMismatchError` on every rank before any
-data moves.
+The descriptors carry the element count, dtype, op and a CRC-32 of the counts, so ranks that differ raise
+:class:`~distopt.errors.CollectiveMismatchError` on every rank before any data moves.
 """
 from __future__ import annotations
 
@@ -29,7 +22,6 @@ import numpy as np
 
 from ..base import REDUCE_OPS, check_counts, check_reduce_args, check_rows, counts_digest
 from ..lifecycle import collective
-from ..rank_order import accumulator_dtype
 from ..staging import staged
 from .rows import dtype_code
 
@@ -51,19 +43,17 @@ class ShmShards:
     rank: int
     size: int
     _ctl: ControlRows
-    _scratch: np.ndarray
     _reduce: Callable[..., None]  # (views, op, acc, *outs): ShmCommunicator._reduce
+    _reduce_range: Callable[..., None]  # (views, lo, hi, op, outs, direct): ShmCommunicator._reduce_range
 
     @staged
     @collective
-    def reduce_scatter(self, array: np.ndarray, counts: Sequence[int] | None = None, op: str = "sum"
-                       ) -> np.ndarray:
+    def reduce_scatter(self, array: np.ndarray, counts: Sequence[int] | None = None, op: str = "sum") -> np.ndarray:
         """Reduce-scatter; see :meth:`distopt.comm.base.Communicator.reduce_scatter`.
 
         Returns:
-            A new array of ``counts[rank]`` elements, bitwise equal to that
-            segment of :meth:`all_reduce` on the same data; ``array`` is left
-            unchanged.
+            A new array of ``counts[rank]`` elements, bitwise equal to that segment of :meth:`all_reduce` on the same
+            data; ``array`` is left unchanged.
 
         Raises:
             ValueError: bad ``counts`` or a non-1-D ``array``.
@@ -83,25 +73,18 @@ class ShmShards:
             return out
         n, itemsize = array.size, array.itemsize
         arg = REDUCE_OPS.index(op) + 8 * counts_digest(counts)
-        c, _, _ = self._ctl.arrive("reduce_scatter", n, code, arg, array.view(np.uint8),
-                                   (lo * itemsize, hi * itemsize))
+        c, _, _ = self._ctl.arrive("reduce_scatter", n, code, arg, array.view(np.uint8), (lo * itemsize, hi * itemsize))
         views = [array if p == self.rank or lo == hi else self._ctl.published(p)[:n * itemsize].view(array.dtype)
                  for p in range(self.size)]
-        wide = accumulator_dtype(array.dtype)
-        scratch = self._scratch.view(wide)
-        for start in range(lo, hi, scratch.size):  # chunks of an accumulator that stays in cache
-            stop = min(start + scratch.size, hi)
-            dest = out[start - lo:stop - lo]
-            self._reduce([view[start:stop] for view in views], op,
-                         dest if wide == array.dtype else scratch[:stop - start], dest)
+        self._reduce_range(views, lo, hi, op, [out], direct=True)
         self._ctl.finish(c)
         return out
 
     @staged
     @collective
     def all_gather_into(self, array: np.ndarray, counts: Sequence[int] | None = None) -> np.ndarray:
-        """In-place all-gather of per-rank segments; see
-        :meth:`distopt.comm.base.Communicator.all_gather_into`. Returns ``array``.
+        """In-place all-gather of per-rank segments; see :meth:`distopt.comm.base.Communicator.all_gather_into`.
+        Returns ``array``.
 
         Raises:
             ValueError: bad ``counts`` or a non-1-D ``array``.
@@ -116,8 +99,7 @@ class ShmShards:
             return array
         starts = [sum(counts[:p]) for p in range(self.size)]
         mine = array[starts[self.rank]:starts[self.rank] + counts[self.rank]]
-        c, _, _ = self._ctl.arrive("all_gather_into", array.size, code, 8 * counts_digest(counts),
-                                   mine.view(np.uint8))
+        c, _, _ = self._ctl.arrive("all_gather_into", array.size, code, 8 * counts_digest(counts), mine.view(np.uint8))
         for p, count in enumerate(counts):
             if p != self.rank and count:
                 array[starts[p]:starts[p] + count] = self._ctl.published(p)[:count * array.itemsize].view(array.dtype)

@@ -1,24 +1,13 @@
 """Clipping sharded gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
-At ``zero=2`` each rank holds only its pieces of each parameter's averaged
-gradient (:mod:`distopt.sharding.plan`). Summing every rank's squares would
-give the global norm in another rounding order. This module reproduces
-torch's own formula instead: one norm per parameter
-(``torch._foreach_norm``), then the norm of those norms stacked in the
-parameters' order grouped by dtype, then ``grad *= clamp(max_norm /
-(total + 1e-6), max=1)``. So at any world size the norm and the clipped
-gradients equal ``clip_grad_norm_`` over the unsharded gradients bitwise,
-where the per-tensor norm kernel is the same for a view as for the whole
-tensor (CPU; CUDA's multi-tensor kernel may round a misaligned view
-differently).
-
-A parameter wholly inside one rank's segment has its norm computed by that
-rank; a parameter split between ranks ("straddling") has its pieces
-all-gathered (at most W - 1 per bucket), and every rank computes its norm.
-Collectives per call: one all-gather of the straddling pieces' values, one
-all-reduce of the per-parameter norms (float64, each written by one rank,
-so the sum is exact), and, once per shard plan, one all-gather of the
-straddling pieces' positions.
+At ``zero=2`` each rank holds only its pieces of each parameter's gradient; summing every rank's squares would give
+the norm in another rounding order. This reproduces torch's own formula instead: one norm per parameter
+(``torch._foreach_norm``), then the norm of those norms in the parameters' order grouped by dtype, then ``grad *=
+clamp(max_norm / (total + 1e-6), max=1)``; bitwise ``clip_grad_norm_`` over the unsharded gradients where the
+per-tensor norm kernel is the same for a view as for the whole tensor (CPU; CUDA's multi-tensor kernel may round a
+misaligned view differently). A parameter wholly inside one rank's segment has its norm computed by that rank; one
+split between ranks ("straddling") has its pieces all-gathered and every rank computes its norm (the collectives:
+``docs/sharding.md``, "Numerics").
 """
 from __future__ import annotations
 
@@ -55,17 +44,17 @@ class ShardedClip:
 
     def __call__(self, plan: ShardPlan, tensors: Sequence[Any], numels: Sequence[int], grads: Sequence[Any | None],
                  params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip ``grads`` in place by the global ``norm_type`` norm; returns it (a 0-dim tensor, the
-        gradients' dtype). Collective: every rank calls it at the same step.
+        """Clip ``grads`` in place by the global ``norm_type`` norm; returns it (a 0-dim tensor, the gradients' dtype).
+        Collective: every rank calls it at the same step.
 
         Args:
             plan: this rank's shard plan.
             tensors: the plan's parameters, in the step's order.
             numels: ELEMENTS of each of ``tensors`` (stage 3 frees them between uses).
-            grads: per piece of ``plan`` (same order), its gradient (a 1-D tensor) or None where the
-                parameter has none this step (None on every rank alike).
-            params: the parameters in the order torch's ``clip_grad_norm_`` would see them (the inner
-                optimizer's groups); those outside ``tensors`` have no gradient.
+            grads: per piece of ``plan`` (same order), its gradient (a 1-D tensor) or None where the parameter has
+                none this step (None on every rank alike).
+            params: the parameters in the order torch's ``clip_grad_norm_`` would see them (the inner optimizer's
+                groups); those outside ``tensors`` have no gradient.
             max_norm: the largest norm kept.
             norm_type: the ``p`` of the norm (``inf``: the largest magnitude).
         """
@@ -74,8 +63,8 @@ class ShardedClip:
         p = float(norm_type)
         straddling = self._positions(plan, tensors, numels)
         split = {int(i) for rows in straddling for i in rows[:, 0]}
-        # one row per tensor: (its norm, how many pieces of it have a gradient); a whole piece's norm is
-        # written by its rank only, so the float64 sum is exact
+        # one row per tensor: (its norm, how many pieces of it have a gradient); a whole piece's norm is written by its
+        # rank only, so the float64 sum is exact
         table = np.zeros((len(tensors), 2), dtype=np.float64)
         whole = [(q.index, g) for q, g in zip(plan.pieces, grads) if g is not None and q.index not in split]
         if whole:  # one device-to-host copy for all the norms (CUDA: one synchronisation, not one per tensor)

@@ -1,17 +1,9 @@
 """Stage 3's gradient sink over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=3, model=m)``).
 
-Stage 2's step (:class:`~distopt.torch.zero.step.ShardedTorchStep`):
-each bucket reduce-scattered during backward, the inner optimizer stepping
-this rank's shard tensors, ``.grad`` a placeholder whose any use raises;
-but the shard tensors are views into the parameter segments that
-:class:`~distopt.torch.zero.params.ParamShards` keeps (the parameters
-themselves are freed at rest), and nothing is all-gathered after the step:
-the next forward gathers what it uses.
-
-The layout is fixed at construction, from the optimizer's trainable
-parameters in the held strategy's bucket layout; a step whose layout
-differs (``requires_grad`` changed, a parameter group added, another
-strategy's threshold) raises.
+Stage 2's step (:class:`~distopt.torch.zero.step.ShardedTorchStep`), but the shard tensors are views into the segments
+that :class:`~distopt.torch.zero.params.ParamShards` keeps, and nothing is all-gathered after the step: the next
+forward gathers what it uses. The layout is fixed at construction; a step whose layout differs (``requires_grad``
+changed, a parameter group added, another strategy's threshold) raises.
 """
 from __future__ import annotations
 
@@ -57,6 +49,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
 
     def bind(self, follower: Any) -> None:
         """Shard the parameters in the layout the follower's steps will use, and hook the model."""
+        super().bind(follower)
         tensors, buckets = follower.planned()
         engine = follower.runner.engine
         self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context,
@@ -80,6 +73,19 @@ class FullyShardedTorchStep(ShardedTorchStep):
     def shape(self, tensor: Any) -> tuple[int, ...]:
         """A parameter's full shape, also while it is freed."""
         return self.store.shapes.get(id(tensor), tuple(tensor.shape))
+
+    def write_values(self, number: int, start: int, stop: int, values: Any) -> None:
+        """Write the elements of ``start:stop`` of parameter ``number`` that fall in this rank's segments
+        (the parameters are freed at rest; a bucket gathered now is freed first); a parameter outside the
+        layout is whole."""
+        tensor = self.local.params()[number]
+        if not any(t is tensor for t in self.tensors):  # outside the layout: whole on every rank
+            return super().write_values(number, start, stop, values)
+        self.store.free_all()
+        for p, s in zip(self.plan.pieces if self.plan is not None else (), self.shards):
+            a, b = max(p.start, start), min(p.stop, stop)
+            if self.tensors[p.index] is tensor and a < b:
+                s.detach()[a - p.start:b - p.start].copy_(values[a - start:b - start])
 
     def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
         """One shard tensor per piece of ``plan``: a 1-D view into this rank's segment of its bucket."""

@@ -1,48 +1,26 @@
 """Stage 3's model hooks: which buckets a module needs, and when they are gathered and freed.
 
-Over :class:`~distopt.torch.zero.params.ParamShards` (the segments, gathers
-and frees), as PyTorch FSDP's pre- and post-forward and pre- and
-post-backward hooks (Zhao et al., VLDB 2023):
+Over :class:`~distopt.torch.zero.params.ParamShards` (the segments, gathers and frees), as PyTorch FSDP's pre- and
+post-forward and pre- and post-backward hooks (Zhao et al., VLDB 2023); the user's view is in ``docs/sharding.md``:
 
-* **units**: the first forward pass gathers everything and records which
-  modules' forward ran. A module's unit is the buckets of the parameters of
-  its subtree that are not in a descendant that ran (``nn.MultiheadAttention``
-  reads its ``out_proj`` without calling it); a shared parameter (a tied
-  head) is in the unit of every module that owns it. A module that did not
-  run then needs its whole subtree when it does;
-* **forward**: a module's pre-hook frees the gathered buckets that no
-  running module needs, gathers its unit and starts the gather of the next
-  unit (in the first forward's order) that needs a bucket not yet gathered
-  (prefetch), and announces the prefetch of the module that runs after it,
-  which that module starts once every rank has announced the same (so the
-  ranks need not meet in a check before each gather). A module with an empty unit (a container) does nothing. When
-  the outermost module returns, everything is freed (the root's and the
-  last module's buckets too, as FSDP2 does): backward's first hook gathers
-  what it needs;
-* **backward**: a hook on each module's outputs (``register_multi_grad_hook``)
-  gathers the module's unit before its backward runs and prefetches the one
-  before it. A bucket is freed once each of its parameters has its gradient
-  (post-accumulate-grad hooks), as FSDP frees after a unit's backward;
-  everything at the end of backward. A re-computation during backward
-  (activation checkpointing) gathers without freeing;
-* ``reshard_after_forward=False`` (FSDP's option): a forward with gradients
-  on frees nothing, so backward gathers nothing again (one all-gather per
-  bucket and step instead of two; the whole model is gathered between the
-  end of forward and backward);
-* ``state_dict()`` gathers everything and returns copies; ``load_state_dict()``
-  gathers, loads and keeps what was loaded in the segments.
-
-A parameter used outside the forward of every module whose subtree holds
-it is freed then: any computation with it raises a RuntimeError naming it
-(:func:`~distopt.torch.zero.params._freed_class`). A tensor
-that views a parameter but takes no gradient through it (``x @ w.detach()``),
-read in backward after every parameter of its bucket has its gradient,
-would read freed memory; FSDP has the same rule.
+* **units**: the first forward pass gathers everything and records which modules' forward ran. A module's unit is the
+  buckets of the parameters of its subtree that are not in a descendant that ran (``nn.MultiheadAttention`` reads its
+  ``out_proj`` without calling it); a shared parameter (a tied head) is in the unit of every module that owns it. A
+  module that did not run then needs its whole subtree when it does;
+* **forward**: a module's pre-hook frees the gathered buckets that no running module needs, gathers its unit, starts
+  the next unit's prefetch and announces the one the module after it starts. When the outermost module returns,
+  everything is freed (as FSDP2 does);
+* **backward**: a hook on each module's outputs (``register_multi_grad_hook``) gathers the module's unit and
+  prefetches the one before it; a bucket is freed once each of its parameters has its gradient. A re-computation
+  during backward (activation checkpointing) gathers without freeing;
+* ``state_dict()`` gathers everything and returns copies; ``load_state_dict()`` writes what it loads into the segments.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
+
+import torch
 
 from ..full_writes import broadcast_from, check_modifier_rank, check_writes, digest
 from .params import ParamShards
@@ -51,8 +29,6 @@ __all__ = ["ModuleHooks"]
 
 
 def _in_backward() -> bool:
-    import torch
-
     return torch._C._current_graph_task_id() != -1
 
 
@@ -61,8 +37,7 @@ class ModuleHooks:
 
     Args:
         store: the :class:`~distopt.torch.zero.params.ParamShards` of the model's layout.
-        reshard_after_forward: False: a forward with gradients on frees nothing, and backward frees each
-            bucket once its gradients are ready (FSDP's ``reshard_after_forward=False``).
+        reshard_after_forward: False: a forward with gradients on frees nothing (FSDP's option of that name).
     """
 
     def __init__(self, store: ParamShards, reshard_after_forward: bool = True) -> None:
@@ -84,9 +59,8 @@ class ModuleHooks:
 
     @contextmanager
     def full(self, writeback: bool, modifier_rank: int | None = None) -> Iterator[None]:
-        """Every parameter whole inside the block (collective on entry and exit); with ``writeback``, what
-        the block wrote into them is kept: ``modifier_rank``'s writes on every rank, or, without it, the
-        writes of every rank when all wrote or none did (:mod:`distopt.torch.full_writes`).
+        """Every parameter whole inside the block (collective on entry and exit); with ``writeback``, what the block
+        wrote is kept as :mod:`distopt.torch.full_writes` says.
 
         Raises:
             RuntimeError: called inside a forward pass; some ranks wrote and others did not (without
@@ -106,17 +80,14 @@ class ModuleHooks:
             elif writeback:
                 check_writes(self.store.comm, before, digest(flats), discarded=True)
             if writeback:
-                import torch
-
-                with torch.no_grad():
-                    self.store.write_back()
+                self.store.write_back()
         finally:
             self.store.free_all()
 
     def hook(self, model: Any) -> list[Any]:
         """Forward pre- and post-hooks on every module of ``model`` holding a parameter of the layout,
-        post-accumulate-grad hooks on the layout's parameters, and state-dict hooks (``state_dict``
-        returns whole tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
+        post-accumulate-grad hooks on the layout's parameters, and state-dict hooks (``state_dict`` returns whole
+        tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
         self._model = model
         self.store.names = [name for name, _ in model.named_modules()]
         for name, p in model.named_parameters():
@@ -132,9 +103,7 @@ class ModuleHooks:
                 lambda *args: self._after_state_dict(*args)))
             handles.append(module.register_load_state_dict_pre_hook(self._before_load))
             handles.append(module.register_load_state_dict_post_hook(self._after_load))
-        for t in self.store.tensors:
-            handles.append(t.register_post_accumulate_grad_hook(self._grad_done))
-        return handles
+        return handles + [t.register_post_accumulate_grad_hook(self._grad_done) for t in self.store.tensors]
 
     def _unit(self, module: Any) -> tuple[int, ...]:
         """The buckets ``module`` needs whole while it runs."""
@@ -167,16 +136,15 @@ class ModuleHooks:
         for i, m in enumerate(fired):
             self._next[id(m)] = self._ahead(order[i], order[i + 1:])
             self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
-        for i, m in enumerate(fired):  # what the module after this one (in each pass's order) prefetches
-            self._next2[id(m)] = self._next[id(fired[i + 1])] if i + 1 < len(fired) else ()
-            self._prev2[id(m)] = self._prev[id(fired[i - 1])] if i else ()
+        for a, b in zip(fired, fired[1:]):  # what the module after this one (in each pass's order) prefetches
+            self._next2[id(a)], self._prev2[id(b)] = self._next[id(b)], self._prev[id(a)]
         for m in self._fired:
             self._units.setdefault(id(m), ())
 
     @staticmethod
     def _ahead(unit: tuple[int, ...], later: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-        """The prefetch of a module whose unit is ``unit``: the first of the ``later`` units (in the pass's
-        order) that needs a bucket ``unit`` does not, less the buckets of ``unit``."""
+        """The prefetch of a module whose unit is ``unit``: the first of the ``later`` units (in the pass's order)
+        that needs a bucket ``unit`` does not, less the buckets of ``unit``."""
         for other in later:
             new = tuple(b for b in other if b not in unit)
             if new:
@@ -184,8 +152,6 @@ class ModuleHooks:
         return ()
 
     def _pre_forward(self, module: Any, args: Any) -> None:  # noqa: ARG002
-        import torch
-
         if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
             self.store.gather(1, self._position(module), self._unit(module))
             return
@@ -207,8 +173,6 @@ class ModuleHooks:
         self.store.gather(0, self._position(module), need, ahead, self._next2.get(id(module), ()))
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:  # noqa: ARG002
-        import torch
-
         if _in_backward():
             return
         if module in self._stack:
@@ -268,8 +232,5 @@ class ModuleHooks:
     def _after_load(self, module: Any, incompatible_keys: Any) -> None:  # noqa: ARG002
         self._depth -= 1
         if self._depth == 0:
-            import torch
-
-            with torch.no_grad():
-                self.store.write_back()
+            self.store.write_back()
             self.store.free_all()

@@ -1,25 +1,13 @@
 """Stage 3 (``zero=3``): each rank keeps only its segment of every bucket's parameters.
 
-ZeRO stage 3 (Rajbhandari, Rasley, Ruwase & He, SC 2020) and PyTorch FSDP
-(Zhao et al., VLDB 2023), on distopt's bucket layout and shard plan
-(:mod:`distopt.sharding.plan`; the same plan as stages 1 and 2):
-
-* **at rest** every parameter of the layout is a 0-element tensor of its
-  dtype and device (as FSDP's ``use_orig_params``), of a subclass whose
-  metadata (``shape``, ``grad``, ``requires_grad``) works and whose use in
-  any computation raises an error naming it; this rank keeps its
-  segment of each bucket (``segments[b]``: ``plan.counts[b][rank]``
-  ELEMENTS), which the local optimizer updates through 1-D views;
-* **gathering** bucket ``b`` re-allocates the storage of its flat buffer
-  (``bucket.size`` elements), copies this rank's segment in, all-gathers
-  the other ranks' segments and makes each parameter a view into the
-  buffer; **freeing** it resizes that storage to 0 bytes and makes the
-  parameters 0-element tensors again. Autograd's saved views of a
-  parameter share the buffer's storage, so the values that backward reads
-  are those of the re-gather before it.
-
-The model hooks that decide when a bucket is gathered and freed are
-:mod:`~distopt.torch.zero.hooks`.
+ZeRO stage 3 (Rajbhandari, Rasley, Ruwase & He, SC 2020) and PyTorch FSDP (Zhao et al., VLDB 2023), on the shard plan
+of stages 1 and 2 (:mod:`distopt.sharding.plan`). At rest every parameter of the layout holds one element expanded to
+its shape (as FSDP's ``use_orig_params``), of a subclass whose use in any computation raises an error naming it; this
+rank keeps its segment of each bucket, which the local optimizer updates through 1-D views. Gathering bucket ``b``
+re-allocates the storage of its flat buffer, copies this rank's segment in, all-gathers the others and makes each
+parameter a view into it; freeing resizes that storage to 0 bytes. Autograd's saved views of a parameter share the
+buffer's storage, so the values that backward reads are those of the re-gather before it. When a bucket is gathered
+and freed is :mod:`~distopt.torch.zero.hooks`'s.
 """
 from __future__ import annotations
 
@@ -28,6 +16,7 @@ from enum import Enum
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from ...core._array import xp_of
 from ...core.buckets import Bucket
@@ -48,8 +37,8 @@ class Gathered(Enum):
 
 def raw_array(tensor: Any, dtype: Any) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) array of ``dtype`` (the tensor's, as :func:`~distopt.torch.adapter.as_array`
-    gives it) over a contiguous tensor's memory that leaves its storage resizable (``Tensor.numpy()`` pins
-    it); valid until the storage is resized."""
+    gives it) over a contiguous tensor's memory that leaves its storage resizable (``Tensor.numpy()`` pins it); valid
+    until the storage is resized."""
     if tensor.is_cuda:
         import cupy
 
@@ -58,6 +47,11 @@ def raw_array(tensor: Any, dtype: Any) -> Any:
     if tensor.numel() == 0:
         return np.zeros(0, dtype)
     return np.frombuffer((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()), dtype=dtype)
+
+
+def _slot_views(flat: Any, bucket: Bucket) -> list[Any]:
+    """Each parameter of ``bucket`` as a view into its flat buffer ``flat``, in slot order."""
+    return [flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots]
 
 
 #: Tensor methods a freed parameter still answers (metadata, hooks, hashing); any other use raises.
@@ -72,12 +66,10 @@ _FREED: dict[type, type] = {}  # a parameter class -> its freed subclass
 
 
 def _freed_class(kind: type) -> type:
-    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata (its whole shape: its
-    data is one element expanded to it), ``.data`` and allocations like it work; any computation raises a
-    RuntimeError naming it (instead of reading the one element)."""
+    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata (its whole shape: its data is
+    one element expanded to it), ``.data`` and allocations like it work; any computation raises a RuntimeError naming
+    it (instead of reading the one element)."""
     if kind not in _FREED:
-        import torch
-
         def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name = getattr(func, "__name__", "")
             if name in ("__get__", "__set__", "__delete__") or name in _METADATA or name in _ALLOCATING:
@@ -127,8 +119,7 @@ class ParamShards:
         self._empty: list[Any] = []  # per parameter: its data at rest (one element, expanded to its shape)
         self._kinds: list[type] = []  # per parameter: its own class (a freed one takes a subclass)
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
-        self._gathered = 0
-        self._peak = 0  # the most BYTES gathered at one time since the last step
+        self._gathered = self._peak = 0  # BYTES gathered now, and the most at one time since the last step
         self._announced: tuple[Any, int, list[int]] | None = None  # (check in flight, phase, buckets)
 
     # ------------------------------------------------------------ segments
@@ -141,14 +132,11 @@ class ParamShards:
             buckets: the layout's float buckets.
             plan: the layout's shard plan.
             context: wraps collective errors with the step and the bucket.
-            launch: the engine's :class:`~distopt.comm.launcher.Launcher`: the gathers and checks go in
-                order with the step's reductions (on its worker thread where the backend has no
-                asynchronous collectives).
+            launch: the engine's :class:`~distopt.comm.launcher.Launcher`: the gathers and checks go in order with the
+                step's reductions (on its worker thread where the backend has no asynchronous collectives).
         """
-        import torch
-
-        self.tensors, self.buckets, self.plan, self._context = list(tensors), list(buckets), plan, context
-        self._launch = launch
+        self.tensors, self.buckets, self.plan = list(tensors), list(buckets), plan
+        self._context, self._launch = context, launch
         self.shapes = {id(t): tuple(t.shape) for t in self.tensors}
         rank = self.comm.rank
         for b, bucket in enumerate(self.buckets):
@@ -163,7 +151,7 @@ class ParamShards:
             self._flats.append(flat)
             self._state.append(Gathered.FULL)
             self._gathered += flat.nbytes
-            self._full.append([flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots])
+            self._full.append(_slot_views(flat, bucket))
             self._views(b)
         self._empty = [torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape) for t in self.tensors]
         self._kinds = [type(t) for t in self.tensors]
@@ -171,12 +159,9 @@ class ParamShards:
         self.free_all()
 
     def step_done(self) -> None:
-        """At the end of a step: verify a gather still announced (without starting it), free everything and
-        report the step's peak of gathered bytes."""
-        if self._announced is not None:
-            handle, phase, _ = self._announced
-            self._announced = None
-            self._verify(handle, phase)
+        """At the end of a step: verify a gather still announced (without starting it), free everything and report
+        the step's peak of gathered bytes."""
+        self._verify_announced()
         self.free_all()
         self.counters.gathered_bytes_peak, self._peak = self._peak, self._gathered
 
@@ -209,9 +194,8 @@ class ParamShards:
         self._start(b)
         if self._state[b] is not Gathered.PENDING:
             return
-        handle = self._pending.pop(b)
         with self._context(self._where(b)):  # type: ignore[misc]
-            handle.wait()
+            self._pending.pop(b).wait()
         self._views(b)
         self._state[b] = Gathered.FULL
 
@@ -224,17 +208,6 @@ class ParamShards:
             if self._kinds:  # made whole again: its own class back
                 t.__class__ = self._kinds[s.index]
 
-    def _renew(self, b: int) -> None:
-        """Give bucket ``b`` a new, empty flat buffer and views into it (the old memory stays with whoever
-        still holds it)."""
-        import torch
-
-        old = self._flats[b]
-        flat = torch.empty(old.numel(), dtype=old.dtype, device=old.device)
-        self._full[b] = [flat[s.offset:s.offset + s.size].view(s.shape) for s in self.buckets[b].slots]
-        flat.untyped_storage().resize_(0)
-        self._flats[b] = flat
-
     def free(self, b: int) -> None:
         """Free bucket ``b`` (completing a gather in flight first)."""
         if self._state[b] is Gathered.PENDING:
@@ -246,18 +219,19 @@ class ParamShards:
             t.data = self._empty[s.index]
             t.__class__ = _freed_class(self._kinds[s.index])
         flat = self._flats[b]
-        if flat.untyped_storage().resizable():
-            flat.untyped_storage().resize_(0)
-        else:  # a NumPy array (``p.numpy()`` inside ``summon_full_params``) shares it: it keeps that memory
-            self._renew(b)
+        if not flat.untyped_storage().resizable():
+            # a NumPy array (``p.numpy()`` inside ``summon_full_params``) shares it and keeps that memory: the bucket
+            # gets a new, empty flat buffer and views into it
+            self._flats[b] = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
+            self._full[b] = _slot_views(self._flats[b], self.buckets[b])
+        self._flats[b].untyped_storage().resize_(0)
         self._gathered -= flat.nbytes
         self.counters.gathered_bytes = self._gathered
         self._state[b] = Gathered.FREE
 
     def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:
-        """Start a gather check: this rank's frame (:mod:`~distopt.sharding.frame`: a start or an
-        announcement, the pass, the module and a digest of the buckets) gathered from every rank (the same
-        collective whether it is waited at once or at the next gather, and as the step header's)."""
+        """Start a gather check: this rank's frame (a start or an announcement, the pass, the module, a digest of the
+        buckets) gathered from every rank, the same collective as the step header's (:mod:`~distopt.sharding.frame`)."""
         payload = (phase, where, len(buckets), min(buckets), sum((b + 1) * (b + 7) for b in buckets))
         with self._context(f"zero=3 gather check, {frame.PHASES[phase]}"):  # type: ignore[misc]
             return frame.exchange(self._launch, self.comm.size, self.comm.rank, kind, payload)
@@ -266,8 +240,8 @@ class ParamShards:
         """Wait for a gather check and compare every rank's frame.
 
         Raises:
-            CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets, or the step
-                header a rank reached instead.
+            CollectiveMismatchError: on every rank, naming each rank's module, pass and buckets, or the step header a
+                rank reached instead.
         """
         with self._context(f"zero=3 gather check, {frame.PHASES[phase]}"):  # type: ignore[misc]
             everyone = frame.rows(handle.wait(), self.comm.size)
@@ -278,27 +252,21 @@ class ParamShards:
         """Module position -> name, as the gather checks number the modules."""
         return dict(enumerate(n or "the model" for n in self.names))
 
-    def _start_announced(self) -> None:
-        """Verify the gathers the last :meth:`gather` announced and start them (every rank announced the same
-        free buckets, and nothing gathers between an announcement and this)."""
+    def _verify_announced(self) -> Sequence[int]:
+        """Verify the gathers the last :meth:`gather` announced; returns their buckets (every rank announced the same
+        free buckets, and nothing gathers between an announcement and their start)."""
         if self._announced is None:
-            return
+            return ()
         handle, phase, buckets = self._announced
         self._announced = None
         self._verify(handle, phase)
-        for b in buckets:
-            self._start(b)
+        return buckets
 
     def gather(self, phase: int, where: int, need: Sequence[int], ahead: Sequence[int] = (),
                later: Sequence[int] = ()) -> None:
-        """Start the gathers announced by the last call, start those of ``need`` and ``ahead`` that are
-        still free (checked across ranks first), announce those of ``later``, then complete ``need``
-        (collective).
-
-        Every gather is checked across ranks before it starts, so that a module run on some ranks only
-        raises instead of pairing different collectives (a size mismatch aborts gloo's process). A start
-        not announced waits for its check; an announcement is checked at the next call, so with
-        ``later`` (the next module's prefetch) the ranks do not wait for each other at every module.
+        """Start the gathers announced by the last call, start those of ``need`` and ``ahead`` that are still free
+        (checked across ranks first, so that a module run on some ranks only raises instead of pairing collectives of
+        different sizes), announce those of ``later`` (checked at the next call), then complete ``need`` (collective).
 
         Args:
             phase: 0 forward, 1 backward, 2 everything (``summon_full_params``, ``state_dict``).
@@ -308,10 +276,10 @@ class ParamShards:
             later: buckets the next call prefetches (announced now, started there).
 
         Raises:
-            CollectiveMismatchError: the ranks gather different buckets or for different modules (on
-                every rank).
+            CollectiveMismatchError: the ranks gather different buckets or for different modules (on every rank).
         """
-        self._start_announced()
+        for b in self._verify_announced():
+            self._start(b)
         starting = [b for b in dict.fromkeys((*need, *ahead)) if self._state[b] is Gathered.FREE]
         if starting:
             self._verify(self._words(frame.STARTING, phase, where, starting), phase)
@@ -333,10 +301,6 @@ class ParamShards:
             if b not in keep:
                 self.free(b)
 
-    def gathered(self, b: int) -> bool:
-        """Whether bucket ``b`` is whole now."""
-        return self._state[b] is Gathered.FULL
-
     def storages(self) -> set[int]:
         """The data pointers of the buckets' flat buffers (a tensor sharing one views a gathered parameter)."""
         return {f.untyped_storage().data_ptr() for f in self._flats}
@@ -346,18 +310,17 @@ class ParamShards:
         return [flat for b, flat in enumerate(self._flats) if self._state[b] is Gathered.FULL]
 
     def write_back(self) -> None:
-        """Copy every gathered bucket's segment of this rank back into :attr:`segments` (the model's
-        parameters were written: ``load_state_dict``, ``summon_full_params``)."""
+        """Copy every gathered bucket's segment of this rank back into :attr:`segments` (the model's parameters were
+        written: ``load_state_dict``, ``summon_full_params``)."""
         rank = self.comm.rank
-        for b, flat in enumerate(self._flats):
-            if self._state[b] is Gathered.FULL:
-                lo = self.plan.lows[b]  # type: ignore[union-attr]
-                self.segments[b].copy_(flat.detach()[lo:lo + self.plan.counts[b][rank]])  # type: ignore[union-attr]
+        with torch.no_grad():
+            for b, flat in enumerate(self._flats):
+                if self._state[b] is Gathered.FULL:
+                    lo = self.plan.lows[b]  # type: ignore[union-attr]
+                    self.segments[b].copy_(flat.detach()[lo:lo + self.plan.counts[b][rank]])  # type: ignore[union-attr]
 
     def stand_in(self, tensor: Any) -> Any:
-        """A read-only array of ``tensor``'s full shape and dtype holding one element (the engine lays
-        the buckets out by shapes and dtypes)."""
-        import torch
-
+        """A read-only array of ``tensor``'s full shape and dtype holding one element (the engine lays the buckets
+        out by shapes and dtypes)."""
         one = as_array(torch.zeros((), dtype=tensor.dtype, device=tensor.device))
         return xp_of(one).broadcast_to(one, self.shapes.get(id(tensor), tuple(tensor.shape)))

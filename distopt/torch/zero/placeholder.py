@@ -1,9 +1,6 @@
 """What a sharded torch optimizer refuses: an update that is not elementwise, and any use of ``.grad`` at
-``zero=2|3`` (a placeholder of the parameter's shape whose any operation raises, naming the stage).
-
-The gradient of a parameter lives in every rank's segments at ``zero=2|3``;
-a norm or an edit of one rank's ``.grad`` could only be a per-rank answer,
-so it raises instead of being silently wrong.
+``zero=2|3`` (a placeholder of the parameter's shape whose any operation raises, naming the stage: the gradient lives
+in every rank's segments, so a norm or an edit of one rank's ``.grad`` could only be a per-rank answer).
 """
 from __future__ import annotations
 
@@ -16,15 +13,12 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", 
 
 
 def check_elementwise(optimizer: Any, zero: int) -> None:
-    """Refuse an optimizer whose update needs whole tensors.
-
-    A class counts as elementwise when it is one of :data:`ELEMENTWISE` in
-    ``torch.optim``, or declares ``elementwise = True``.
+    """Refuse an optimizer whose update needs whole tensors: a class counts as elementwise when it is one of
+    :data:`ELEMENTWISE` in ``torch.optim``, or declares ``elementwise = True``.
 
     Raises:
-        ValueError: the optimizer is not known to update elementwise
-            (L-BFGS, LARS/LAMB trust ratios, Adafactor's factored moments,
-            any per-tensor norm), or a parameter group has ``differentiable=True``.
+        ValueError: the optimizer is not known to update elementwise (L-BFGS, LARS/LAMB trust ratios, Adafactor's
+            factored moments, any per-tensor norm), or a parameter group has ``differentiable=True``.
     """
     kind = type(optimizer)
     known = kind.__module__.startswith("torch.optim") and kind.__name__ in ELEMENTWISE
@@ -71,10 +65,9 @@ _PLACEHOLDER: list[type] = []  # the class, built at first use (torch is importe
 
 
 def sharded_grad(like: Any, zero: int) -> Any:
-    """Stage 2's and 3's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any
-    operation on it (``clip_grad_norm_``, ``mul_``) raises a RuntimeError naming ``zero`` (the stage in
-    force) and ``opt.clip_grad_norm_``. A second backward replaces it before accumulating
-    (:meth:`ShardedTorchStep.adopt`)."""
+    """Stage 2's and 3's ``.grad`` placeholder for the tensor ``like``: same shape, dtype and device; any operation on
+    it (``clip_grad_norm_``, ``mul_``) raises a RuntimeError naming ``zero`` (the stage in force) and
+    ``opt.clip_grad_norm_``. A second backward replaces it before accumulating (:meth:`ShardedTorchStep.adopt`)."""
     if not _PLACEHOLDER:
         _PLACEHOLDER.append(_placeholder_class())
     return _PLACEHOLDER[0](like, zero)

@@ -1,11 +1,11 @@
 """A sharded torch optimizer's checkpoints (:class:`ShardedState`) and its wiring (:func:`torch_sharding`)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ...comm.consensus import agree, gather_objects
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError
-from ...sharding.shard_state import check_shards, consolidate
+from ...sharding.shard_state import ShardStream, check_shards, consolidate
 from ..adapter import TorchOptimizer
 from ..sink import GradientSink
 from .placeholder import check_elementwise
@@ -61,9 +61,11 @@ class ShardedState:
         state = self.state_dict(sharded=False)
         self._held = (self.steps(), state) if self.comm.rank == to else None
 
-    def state_dict(self, sharded: bool) -> dict[str, Any]:
+    def state_dict(self, sharded: bool, params: bool = False) -> dict[str, Any]:
         """The optimizer's state: consolidated (collective, unless :meth:`consolidate` kept it on this rank
-        since the last step), or this rank's pieces with ``sharded``.
+        since the last step), or this rank's pieces with ``sharded``; with ``params`` too, this rank's
+        parameter elements, one 1-D tensor per piece (``"params"`` in ``"distopt_shard"``), so the shards hold
+        the trained parameters without any rank gathering them.
 
         Raises:
             CollectiveTimeoutError: the other ranks did not call it within the
@@ -76,18 +78,23 @@ class ShardedState:
         self.shards.wait()
         with self.shards.unswapped():
             try:
-                return self._state_dict(sharded)
+                return self._state_dict(sharded, params)
             except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
                 raise type(exc)(
                     f"{exc}; with zero=1|2|3, state_dict() consolidates every rank's shard: call it on every rank, "
                     "or call opt.consolidate_state_dict(to=0) on every rank first, then state_dict() on rank 0 "
                     "alone (a rank-0-only checkpoint writer)") from exc
 
-    def _state_dict(self, sharded: bool) -> dict[str, Any]:
+    def _state_dict(self, sharded: bool, params: bool) -> dict[str, Any]:
+        if sharded and self._pending is not None:  # restored before any step: take this rank's pieces now
+            self.shards.bind_planned()
+            self._restore_pending()
         pieces = self.shards.pieces()
         if sharded:
-            return {**self._as_torch({}), "distopt_shard": {"world_size": self.comm.size, "rank": self.comm.rank,
-                                                            "steps": self.steps(), "pieces": pieces}}
+            shard = {"world_size": self.comm.size, "rank": self.comm.rank, "steps": self.steps(), "pieces": pieces}
+            if params:
+                shard["params"] = self.shards.piece_values()
+            return {**self._as_torch({}), "distopt_shard": shard}
         shapes = [self.shards.shape(p) for p in self.shards.local.params()]
         full = consolidate(gather_objects(self.comm, pieces), shapes)
         if self._pending is not None:  # restored before any step: not re-sharded yet
@@ -95,31 +102,67 @@ class ShardedState:
         return self._as_torch(full)
 
     def load_state_dict(self, state: Any) -> None:
-        """Restore a consolidated state (any world size), this rank's own sharded state, or the list of
-        every rank's sharded states (any world size).
+        """Restore a consolidated state (any world size) or this rank's own sharded state (every rank's:
+        :meth:`load_stream`).
 
         Collective with a sharded state (every rank loads its own, and the
         ranks agree that they are of the same step).
 
         Raises:
             ValueError: a single sharded state of another rank or world size,
-                or of another step than another rank's (on every rank); a list
-                that is not one checkpoint's every rank once (:func:`check_shards`).
+                or of another step than another rank's (on every rank).
         """
         self.shards.wait()
         self._held = None
         with self.shards.unswapped():
             self._load(state)
 
+    def load_stream(self, stream: ShardStream, split: Callable[[Any], tuple[dict[str, Any], Any]]) -> Any:
+        """Re-shard every rank's sharded state of one checkpoint (any world size) as ``stream`` yields it, one
+        shard at a time: this rank keeps only the elements of its own pieces (and writes the parameters'
+        values a shard holds), so no rank holds the whole state. Collective when the stream is.
+
+        Args:
+            stream: the shards and their headers.
+            split: parts a shard into (torch's state dict, distopt's own part).
+
+        Returns:
+            distopt's own part of the first shard.
+
+        Raises:
+            ValueError: the headers are not one checkpoint's every rank once (:func:`check_shards`), or a
+                shard is not the one its header names (the optimizer's state is then unchanged; the values of
+                parameters in shards read before it are written).
+        """
+        check_shards(stream.headers)
+        self.shards.wait()
+        self._held = None
+        first: Any = None
+        with self.shards.unswapped():
+            self.shards.bind_planned()
+            taken: dict[Any, dict[str, Any]] = {}
+            groups = None
+            steps: set[Any] = set()
+            for header, shard in zip(stream.headers, stream.shards):
+                clean, extras = split(shard)
+                mine = clean["distopt_shard"]
+                steps.add(mine.get("steps"))
+                if (mine["world_size"], mine["rank"]) != (header["world_size"], header["rank"]) or len(steps) > 1:
+                    raise ValueError(f"the shard read for rank {header['rank']} of {header['world_size']} is rank "
+                                     f"{mine['rank']} of {mine['world_size']}'s, saved at step {mine.get('steps')} "
+                                     f"(others at {sorted(steps - {mine.get('steps')}, key=str)})")
+                self.shards.take_pieces(mine["pieces"], mine.get("params"), taken)
+                if groups is None:
+                    first, groups = extras, clean["param_groups"]
+            self.shards.local.optimizer.load_state_dict({**self._as_torch({}), "param_groups": groups})
+            self.shards.install(taken)
+        self._pending = None
+        return first
+
     def _load(self, state: Any) -> None:
         opt = self.shards.local.optimizer
         params = self.shards.local.params()
-        if isinstance(state, (list, tuple)):
-            check_shards([s["distopt_shard"] for s in state])
-            shapes = [self.shards.shape(p) for p in params]
-            full = consolidate([s["distopt_shard"]["pieces"] for s in state], shapes)
-            opt.load_state_dict(self._as_torch(full) | {"param_groups": state[0]["param_groups"]})
-        elif "distopt_shard" in state:
+        if "distopt_shard" in state:
             mine = state["distopt_shard"]
             problem = None
             if (mine["world_size"], mine["rank"]) != (self.comm.size, self.comm.rank):
@@ -132,6 +175,10 @@ class ShardedState:
             shapes = [self.shards.shape(p) for p in params]
             opt.load_state_dict({**self._as_torch(consolidate([mine["pieces"]], shapes)),
                                  "param_groups": state["param_groups"]})
+            if mine.get("params") is not None:  # this rank's own parameter elements
+                self.shards.bind_planned()
+                for (number, start, stop, _), values in zip(mine["pieces"], mine["params"]):
+                    self.shards.write_values(number, start, stop, values)
         else:
             opt.load_state_dict(state)
         full = {n: opt.state.pop(p) for n, p in enumerate(params) if p in opt.state}

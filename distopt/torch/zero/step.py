@@ -1,31 +1,22 @@
 """A sharded optimizer over a ``torch.optim.Optimizer`` (``DistOpt(opt, zero=1|2|3)``).
 
-The inner optimizer keeps its class, parameter groups and
-hyper-parameters (LR schedulers work unchanged) but, from the end of each
-synchronizing backward until its ``step()`` returns, its groups hold this
-rank's *shard tensors*: 1-D views into the parameters, one per piece of a
-parameter that falls in this rank's segment of a bucket
-(:mod:`distopt.sharding.plan`), whose ``.grad`` is a view into the reduced
-segment. So ``step()`` updates only this rank's pieces and the optimizer's
-state (momentum, Adam's moments) holds 1/W of the elements; ``GradScaler``
-unscales and checks the shard gradients; then the parameters are
-all-gathered. The update must be elementwise (see
-:func:`~distopt.torch.zero.placeholder.check_elementwise`).
+The inner optimizer keeps its class, parameter groups and hyper-parameters (LR schedulers work unchanged) but,
+from the end of each synchronizing backward until its ``step()`` returns, its groups hold this rank's *shard
+tensors*: 1-D views into the parameters, one per piece of a parameter in this rank's segment of a bucket
+(:mod:`distopt.sharding.plan`), whose ``.grad`` views the reduced segment. So ``step()`` updates only this rank's
+pieces and the optimizer's state holds 1/W of the elements; ``GradScaler`` unscales and checks the shard
+gradients; then the parameters are all-gathered. The update must be elementwise
+(:func:`~distopt.torch.zero.placeholder.check_elementwise`).
 
 After the reduction, ``.grad`` of a parameter holds:
 
-* stage 1: the whole average, as with ``zero=0`` (the gradients are
-  all-reduced; the shard tensors' gradients are views into ``.grad``), so
-  ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler``
-  and any in-place edit of ``.grad`` act on what the update reads;
-* stage 2: a placeholder of the parameter's shape (:func:`~distopt.torch.zero.placeholder.sharded_grad`):
-  the gradient lives only in this rank's segments, and any use of the
-  placeholder raises an error naming ``opt.clip_grad_norm_`` (the global
-  norm over every rank's shard), never a silently per-rank result. It is
-  None again after ``step()`` and ``zero_grad()``. Another backward before
-  ``step()`` accumulates: outside ``no_sync()`` its reduce-scatter adds to
-  the held segments (FSDP's accumulation), inside it sums locally in
-  ``.grad`` until the next synchronizing backward.
+* stage 1: the whole average, as with ``zero=0`` (the shard gradients view it), so ``clip_grad_norm_``,
+  ``clip_grad_value_``, ``GradScaler`` and any in-place edit of ``.grad`` act on what the update reads;
+* stage 2: a placeholder of the parameter's shape (:func:`~distopt.torch.zero.placeholder.sharded_grad`): the
+  gradient lives only in this rank's segments, and any use of the placeholder raises an error naming
+  ``opt.clip_grad_norm_`` (the global norm over every rank's shard). It is None again after ``step()`` and
+  ``zero_grad()``. Another backward before ``step()`` accumulates: outside ``no_sync()`` its reduce-scatter adds
+  to the held segments (FSDP's accumulation), inside it sums locally in ``.grad``.
 """
 from __future__ import annotations
 
@@ -36,8 +27,7 @@ import numpy as np
 
 from ...comm.consensus import gather_objects
 from ...sharding.gather import ParamGather
-from ...sharding.plan import ShardPlan
-from ...sharding.shard_state import consolidate
+from ...sharding.plan import ShardPlan, plan_shards
 from ...sharding.sync import PieceUpdate, ShardedStep
 from ...step.outcome import Outcome
 from ...step.pipeline import BucketPipeline
@@ -84,28 +74,37 @@ class ShardedTorchStep(GradientSink):
         self._cleared: set[int] = set()  # tensors whose placeholder a new backward replaces
         self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
         self._clip = ShardedClip(comm)
+        self._planned: Any = None  # the follower's layout of the next step (bind)
+
+    def bind(self, follower: Any) -> None:
+        """Keep the follower's layout planner: a restore before the first step binds the layout now."""
+        self._planned = follower.planned
+
+    def bind_planned(self) -> None:
+        """Bind the layout the next step will use, if none is bound yet (no communication)."""
+        if self.plan is None and self._planned is not None:
+            tensors, buckets = self._planned()
+            self._bind(plan_shards(buckets, self.comm.rank, self.comm.size), tensors)
 
     # ------------------------------------------------------- shard tensors
     def _bind(self, plan: ShardPlan, tensors: Sequence[Any]) -> None:
         """Shard tensors for ``plan``'s pieces. A new layout (``requires_grad`` changed, a group added)
-        re-shards the state: every rank's pieces are consolidated (collective: every rank binds the new
+        re-shards the state: every rank's pieces are all-gathered (collective: every rank binds the new
         layout at the same step) and each rank takes its new pieces."""
-        key = (id(plan), tuple(id(t) for t in tensors))
-        if key == self._key:
+        key = (plan, tuple(id(t) for t in tensors))
+        if self._key is not None and key[1] == self._key[1] and (plan is self._key[0] or plan == self._key[0]):
+            self._key = key  # the same layout (a plan bound before the first step, or the pipeline's own)
             return
-        state = self.local.optimizer.state
-        full = None
-        if self.plan is not None:
-            shapes = [self.shape(p) for p in self.local.params()]
-            full = consolidate(gather_objects(self.comm, self.pieces()), shapes)
-            for s in self.shards:
-                state.pop(s, None)
+        everyone = gather_objects(self.comm, self.pieces()) if self.plan is not None else None
         group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
         self.shards = self.shard_tensors(plan, tensors)
         self._key, self.plan, self.tensors = key, plan, list(tensors)
         self._groups = [group_of[id(tensors[p.index])] for p in plan.pieces]
-        if full:
-            self.load_full(full, self.local.params())
+        if everyone is not None:
+            taken: dict[Any, dict[str, Any]] = {}
+            for pieces in everyone:
+                self.take_pieces(pieces, None, taken)
+            self.install(taken)
         if self.restore is not None:  # a state loaded before the first sharded step
             restore, self.restore = self.restore, None
             restore()
@@ -283,39 +282,90 @@ class ShardedTorchStep(GradientSink):
     # ---------------------------------------------------------- checkpoints
     def pieces(self) -> list[tuple[int, int, int, Any]]:
         """``(parameter number, start, stop, state)`` of every piece this rank owns, the parameter number
-        counted over the inner optimizer's own groups, the state the optimizer's entry for the piece; a
-        parameter outside the layout now (frozen) appears whole, with the state it had."""
-        parked = [(n, 0, int(np.prod(entry["_shape"])), {k: v for k, v in entry.items() if k != "_shape"})
-                  for n, entry in self._parked.items()]
+        counted over the inner optimizer's own groups, the state the optimizer's entry for the piece; every
+        parameter outside the layout now (frozen) appears whole, with the state it had (or none)."""
+        return self._laid_out() + self._outside()
+
+    def _laid_out(self) -> list[tuple[int, int, int, Any]]:
         if self.plan is None:
-            return parked
+            return []
         number = {id(p): i for i, p in enumerate(self.local.params())}
         state = self.local.optimizer.state
         return [(number[id(self.tensors[p.index])], p.start, p.stop, state.get(s, {}))
-                for p, s in zip(self.plan.pieces, self.shards)] + parked
+                for p, s in zip(self.plan.pieces, self.shards)]
 
-    def load_full(self, full_state: dict[int, dict[str, Any]], params: Sequence[Any]) -> int:
-        """Take this rank's pieces of a consolidated per-parameter state (numbered as :meth:`pieces`);
-        returns the pieces restored. Tensors of a parameter's size are sliced, the rest copied."""
+    def _outside(self) -> list[tuple[int, int, int, Any]]:
+        """Every parameter outside the layout, whole (the same on every rank), with the state it had."""
+        laid = {id(t) for t in self.tensors}
+        return [(n, 0, int(np.prod(self.shape(p))), {k: v for k, v in self._parked.get(n, {}).items()
+                                                       if k != "_shape"})
+                for n, p in enumerate(self.local.params()) if id(p) not in laid]
+
+    def piece_values(self) -> list[Any]:
+        """A copy of this rank's elements of each parameter, one 1-D tensor per piece of :meth:`pieces`."""
+        params = self.local.params()
+        values = [] if self.plan is None else [s.detach().clone() for s in self.shards]
+        return values + [params[n].detach().reshape(-1).clone() for n, *_ in self._outside()]
+
+    def write_values(self, number: int, start: int, stop: int, values: Any) -> None:
+        """Write elements ``start:stop`` of the flattened parameter ``number`` (as :meth:`pieces` counts):
+        the parameter is whole on every rank at stages 1 and 2."""
+        self.local.params()[number].detach().view(-1)[start:stop].copy_(values)
+
+    def take_pieces(self, pieces: Sequence[tuple[int, int, int, Any]], values: Sequence[Any] | None,
+                    into: dict[Any, dict[str, Any]]) -> None:
+        """Take, from another rank's (or world's) :meth:`pieces` and :meth:`piece_values`, the elements that
+        fall in this rank's pieces, into ``into`` (keyed by shard tensor, or ``("parked", number)`` for a
+        parameter outside the layout); the parameters' values are written at once (:meth:`write_values`).
+        Tensors of a piece's size are placed elementwise, other values (``step``) taken once."""
         import torch
 
-        if self.plan is None:
-            return 0
+        params = self.local.params()
         number = {id(p): i for i, p in enumerate(params)}
-        covered = {number[id(t)] for t in self.tensors}  # in the layout (on some rank)
-        numels = [int(np.prod(self.shape(p))) for p in params]
-        self._parked = {n: {**{k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.numel() == numels[n]
-                               and v.dim() > 0 else v for k, v in entry.items()}, "_shape": self.shape(params[n])}
-                        for n, entry in full_state.items() if n not in covered and entry}
-        state = self.local.optimizer.state
-        done = 0
-        for p, s in zip(self.plan.pieces, self.shards):
-            entry = full_state.get(number[id(self.tensors[p.index])])
-            if entry is None:
+        mine: dict[int, list[tuple[int, int, Any]]] = {number[id(t)]: [] for t in self.tensors}
+        if self.plan is not None:
+            for p, s in zip(self.plan.pieces, self.shards):
+                mine.setdefault(number[id(self.tensors[p.index])], []).append((p.start, p.stop, s))
+        for k, (n, start, stop, state) in enumerate(pieces):
+            if values is not None and values[k] is not None:
+                self.write_values(n, start, stop, values[k])
+            if not state:
                 continue
-            numel = numels[number[id(self.tensors[p.index])]]
-            state[s] = {k: (v.reshape(-1)[p.start:p.stop].clone() if isinstance(v, torch.Tensor) and v.numel() == numel
-                            and v.dim() > 0 else v.clone() if isinstance(v, torch.Tensor) else v)
-                        for k, v in entry.items()}
-            done += 1
-        return done
+            targets = mine.get(n, [(0, int(np.prod(self.shape(params[n]))), ("parked", n))])
+            for lo, hi, key in targets:
+                a, b = max(lo, start), min(hi, stop)
+                if a >= b:
+                    continue
+                entry = into.setdefault(key, {})
+                for name, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == stop - start:
+                        if name not in entry:
+                            entry[name] = torch.zeros(hi - lo, dtype=v.dtype)
+                        entry[name][a - lo:b - lo] = v[a - start:b - start]
+                    elif name not in entry:
+                        entry[name] = v.clone() if isinstance(v, torch.Tensor) else v
+
+    def install(self, taken: dict[Any, dict[str, Any]]) -> None:
+        """Make what :meth:`take_pieces` gathered the optimizer's state (replacing this rank's)."""
+        state = self.local.optimizer.state
+        for s in self.shards:
+            state.pop(s, None)
+        params = self.local.params()
+        self._parked = {}
+        for key, entry in taken.items():
+            if isinstance(key, tuple):
+                self._parked[key[1]] = {**entry, "_shape": self.shape(params[key[1]])}
+            else:
+                state[key] = entry
+
+    def load_full(self, full_state: dict[int, dict[str, Any]], params: Sequence[Any]) -> None:
+        """Take this rank's pieces of a consolidated per-parameter state (numbered as :meth:`pieces`)."""
+        import torch
+
+        numels = [int(np.prod(self.shape(p))) for p in params]
+        whole = [(n, 0, numels[n], {k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0 and
+                                     v.numel() == numels[n] else v for k, v in entry.items()})
+                 for n, entry in full_state.items()]
+        taken: dict[Any, dict[str, Any]] = {}
+        self.take_pieces(whole, None, taken)
+        self.install(taken)

@@ -21,10 +21,11 @@ Options:
                           in the join); ``restore``, inside distopt.elastic.run's restore, once it found its
                           node's commit (the other ranks wait in the restore's all-gather).
   --die-in-commit K       in the first world (a fresh start), its last rank pauses inside commit K (writes
-                          ``OUT_DIR/paused-commit.rank<r>``) at --die-at: ``consolidate``, before the AdamW
-                          optimizer's state is consolidated (the other ranks wait in that collective, nobody
-                          writes commit K); ``write``, after half of its commit file is written to the
-                          temporary name (the other ranks finish commit K and go on).
+                          ``OUT_DIR/paused-commit.rank<r>``) at --die-at: ``shard``, before the AdamW
+                          optimizer's shard is taken (the other ranks wait in the commit's first broadcast,
+                          no node holds its part of commit K); ``write``, after half of its own part is
+                          written to the temporary name (the part was broadcast: the other nodes hold every
+                          part of commit K and go on).
   --timeout S             DistOpt's timeout (every collective and the join of the process group; default 300).
   --commit-dir DIR        this node's commit directory (each "node" of a one-machine test has its own, so
                           that a node that joins has none and receives the commit by broadcast).
@@ -61,11 +62,11 @@ def pause(out: Path, phase: str, rank: int) -> None:
 
 
 def _die_in_commit(out: Path, seq: int, at: str, rank: int, opt: distopt.DistOpt, state: elastic.State) -> None:
-    """Make this rank pause inside commit ``seq`` (see ``--die-in-commit``): before ``opt``'s state is
-    consolidated (``at="consolidate"``: the commit's only collective here, in ``opt.state_dict()``), or
-    after half of the commit file's bytes are written to its temporary name (``at="write"``: inside
-    ``SnapshotDir.write``'s :func:`distopt.checkpoint.write_atomically`, which renames once all is written)."""
-    if at == "consolidate":
+    """Make this rank pause inside commit ``seq`` (see ``--die-in-commit``): before ``opt``'s shard is taken
+    (``at="shard"``: in ``opt.state_dict(sharded=True, ...)``), or after half of its own part's bytes are
+    written to its temporary name (``at="write"``: inside ``SnapshotDir.write``'s
+    :func:`distopt.checkpoint.write_atomically`, which renames once all is written)."""
+    if at == "shard":
         state_dict = opt.state_dict
 
         def paused_state_dict(*a: object, **kw: object) -> dict:
@@ -78,7 +79,7 @@ def _die_in_commit(out: Path, seq: int, at: str, rank: int, opt: distopt.DistOpt
     original = snapshot.write_atomically
 
     def half_then_pause(path: Path, write: Any) -> None:
-        if not path.name.startswith(f"commit-{seq}.rank"):
+        if not path.name.startswith(f"commit-{seq}.part{rank}of"):  # its own part, after it was broadcast
             return original(path, write)
 
         def half(f: Any) -> None:
@@ -103,7 +104,7 @@ def main() -> None:
     p.add_argument("--pause-ranks", default="last")
     p.add_argument("--pause-in-rejoin", choices=("join", "restore"), default=None)
     p.add_argument("--die-in-commit", type=int, default=0)
-    p.add_argument("--die-at", choices=("consolidate", "write"), default="write")
+    p.add_argument("--die-at", choices=("shard", "write"), default="write")
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--commit-dir", type=Path, required=True)
     args = p.parse_args()
@@ -130,15 +131,15 @@ def main() -> None:
     opt_b = distopt.DistOpt(torch.optim.AdamW(model_b.parameters(), lr=0.01), model=model_b, zero=1,
                             timeout=args.timeout)
     world, rank = opt_a.world_size, opt_a.global_rank
-    newest = elastic.SnapshotDir.newest
+    held = elastic.SnapshotDir.held
 
-    def paused_newest(self: elastic.SnapshotDir) -> tuple[int, Path] | None:
-        found = newest(self)
-        if found is not None:
+    def paused_held(self: elastic.SnapshotDir) -> dict:
+        found = held(self)
+        if found:
             rejoin_pause("restore")
         return found
 
-    elastic.SnapshotDir.newest = paused_newest  # distopt.elastic.run's restore calls it first
+    elastic.SnapshotDir.held = paused_held  # distopt.elastic.run's restore calls it first
 
     def scale_lr() -> None:  # a learning rate that follows the world size, as a reset callback
         for group in opt_a.param_groups:
@@ -166,7 +167,7 @@ def main() -> None:
 
     @elastic.run(commit_dir=args.commit_dir)
     def train(state: elastic.State) -> None:
-        elastic.SnapshotDir.newest = newest  # the restore is over
+        elastic.SnapshotDir.held = held  # the restore is over
         resumed["from"] = state.commits
         record(event="start", commits=state.commits, step=state.step, seconds=time.time() - started,
                at=time.time(), files=node_files())

@@ -30,11 +30,11 @@ from ..launch.ranks import describe
 from . import control
 from .base import REDUCE_OPS, _starts, check_reduce_args
 from .control import dtype_code as _dtype_code
-from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit
+from .lifecycle import CommunicatorState, close_at_exit, collective, forget_at_exit, timed_call
 from .messages import STALLED, UNUSABLE, timeout_message, where
 from .mpi_close import channel_for, next_serial
 from .mpi_half import HalfQueue, HalfSum
-from .mpi_shards import MpiShardHandle, MpiShards
+from .mpi_shards import MpiShards
 from .mpi_types import mpi_buffer, reduce_op
 from .mpi_where import WhereChannel
 from .staging import staged, staged_async
@@ -68,6 +68,33 @@ def _control_exchange(comm: Any, block: np.ndarray, table: np.ndarray) -> tuple[
         return request
 
     return request, start
+
+
+class MpiHandle:
+    """An all-reduce in flight (see :meth:`MPICommunicator.all_reduce_async`)."""
+
+    def __init__(self, comm: "MPICommunicator", request: Any, array: np.ndarray, op: str) -> None:
+        self._comm, self._request, self._array, self._op = comm, request, array, op
+
+    def test(self) -> bool:
+        """Drive MPI progress; True once the reduction is complete."""
+        return self._request is None or bool(self._request.Test())
+
+    def wait(self) -> np.ndarray:
+        """Complete the reduction (bounded by the communicator's timeout); returns the array.
+
+        Raises:
+            CollectiveTimeoutError: the deadline passed.
+            CommunicatorClosedError: the communicator was closed meanwhile.
+        """
+        if self._request is not None:
+            self._comm._check_open("all_reduce_async wait")
+            timed_call(self._comm, "distopt.all_reduce_async.wait", self._comm._wait, self._request,
+                       f"all_reduce_async of {self._array.size} elements")
+            self._request = None
+            if self._op == "avg":
+                np.divide(self._array, self._comm.size, out=self._array)
+        return self._array
 
 
 class MPICommunicator(MpiShards, CommunicatorState):
@@ -172,7 +199,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
 
     @staged_async
     @collective
-    def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> MpiShardHandle:
+    def all_reduce_async(self, array: np.ndarray, op: str = "sum") -> MpiHandle:
         """Start an in-place all-reduce (``Iallreduce``) and return at once.
 
         Unlike :meth:`all_reduce` there is no per-call agreement check (it would block); DistOpt checks its bucket
@@ -187,12 +214,7 @@ class MPICommunicator(MpiShards, CommunicatorState):
         buf, mpi_type = mpi_buffer(array)
         request = self._start(array, buf, mpi_type, op) if array.size and self.size > 1 else None
 
-        def finish() -> np.ndarray:
-            if op == "avg" and request is not None:
-                np.divide(array, self.size, out=array)
-            return array
-
-        return MpiShardHandle(self, request, finish, f"all_reduce_async of {array.size} elements")
+        return MpiHandle(self, request, array, op)
 
     def _start(self, array: np.ndarray, buf: np.ndarray, mpi_type: Any, op: str) -> Any:
         """Start the in-place reduction of ``array``; a request (``Test()``)."""

@@ -5,7 +5,7 @@ from typing import Any, Callable, Sequence
 
 from ..comm.base import Communicator
 from ..core.bucket_run import BucketRun, RunState
-from ..core.buckets import Bucket, pack, unpack
+from ..core.buckets import Bucket, pack
 from ..core._array import xp_of
 from .plan import ShardPlan
 
@@ -55,7 +55,7 @@ class ParamGather:
             buffer = self.buffers[run.index]
             if buffer is None and not (self.keep or self.asynchronous):
                 buffer = self._scratch_for(run.bucket)
-            flat, viewed = pack(run.bucket, self.params, buffer)
+            flat, viewed = self._pack_own(run, buffer)
             if not viewed and self.keep:
                 self.buffers[run.index] = flat
             self.gathered_bytes += int(flat.nbytes)
@@ -68,6 +68,38 @@ class ParamGather:
             run.flat, run.viewed, run.handle, run.state = flat, viewed, handle, RunState.GATHERING
             if native is None:
                 self.wait(run)
+
+    def _own_range(self, run: BucketRun) -> tuple[int, int]:
+        lo = self.plan.lows[run.index]
+        return lo, lo + self.plan.counts[run.index][self.comm.rank]
+
+    def _pack_own(self, run: BucketRun, buffer: Any) -> tuple[Any, bool]:
+        """The bucket's flat buffer (:func:`~distopt.core.buckets.pack`), with only this rank's segment copied in:
+        the gather overwrites the rest."""
+        bucket = run.bucket
+        if bucket.alone:
+            return pack(bucket, self.params, buffer)
+        if buffer is None:
+            buffer = xp_of(self.params[bucket.slots[0].index]).empty(bucket.size, dtype=bucket.dtype)
+        lo, _ = self._own_range(run)
+        for p in self.plan.pieces:
+            if p.bucket == run.index:
+                buffer[lo + p.offset:lo + p.offset + p.size] = self.params[p.index].reshape(-1)[p.start:p.stop]
+        return buffer, False
+
+    def _unpack_others(self, run: BucketRun) -> None:
+        """Write the other ranks' segments of the gathered flat buffer into the parameters (this rank's own
+        elements are already there: the update wrote them)."""
+        lo, hi = self._own_range(run)
+        for s in run.bucket.slots:
+            target = self.params[s.index]
+            if not target.flags.c_contiguous:
+                target[...] = run.flat[s.offset:s.offset + s.size].reshape(s.shape)
+                continue
+            flat_target = target.reshape(-1)
+            for a, b in ((s.offset, min(lo, s.offset + s.size)), (max(hi, s.offset), s.offset + s.size)):
+                if a < b:
+                    flat_target[a - s.offset:b - s.offset] = run.flat[a:b]
 
     def _scratch_for(self, bucket: Bucket) -> Any:
         """A view of ``bucket.size`` elements of the scratch buffer of ``bucket.dtype`` (made at first use, as large
@@ -94,7 +126,7 @@ class ParamGather:
             with self.context(self._where(run)):
                 run.handle.wait()
         if not run.viewed:
-            unpack(run.bucket, run.flat, self.params)
+            self._unpack_others(run)
         run.flat, run.viewed, run.handle, run.state = None, False, None, RunState.GATHERED
 
     def wait_all(self) -> None:

@@ -124,25 +124,22 @@ class State:
         if self._committed is None:
             raise RuntimeError("distopt.elastic.State.restore: nothing was committed yet (call state.commit())")
         part = self._committed
-        self.load(self.commits, self._rank(), self._world(), lambda: iter([part]), own=True)
+        self.load(self.commits, self._rank(), self.parts(), lambda: iter([part]), own=True)
 
     def _rank(self) -> int:
         opts = self.sharded()
         return next(iter(opts.values())).global_rank if opts else 0
 
-    def _world(self) -> int:
-        opts = self.sharded()
-        return next(iter(opts.values())).world_size if opts else 1
-
     def parts(self) -> int:
         """How many parts a commit of this state has: the world size with a sharded optimizer, else 1."""
-        return self._world()
+        opts = self.sharded()
+        return next(iter(opts.values())).world_size if opts else 1
 
     def _part(self, seq: int) -> bytes:
         """This rank's part of commit ``seq``: its shards, and everything that is not sharded."""
         sharded = self.sharded()
         skip = {id(p) for opt in sharded.values() for g in opt.param_groups for p in g["params"]}
-        return dumps({"format": COMMIT_FORMAT, "seq": seq, "part": self._rank(), "parts": self._world(),
+        return dumps({"format": COMMIT_FORMAT, "seq": seq, "part": self._rank(), "parts": self.parts(),
                       "sharded": {k: v.state_dict(sharded=True, params=True) for k, v in sharded.items()},
                       "objects": {k: {n: t.detach() for n, t in _module_entries(v, skip).items()}
                                   if hasattr(v, "named_parameters") else v.state_dict()

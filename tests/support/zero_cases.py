@@ -193,6 +193,9 @@ def case_layout_change(rank: int, comm: Any, zero: int) -> list[Any]:
         opt.zero_grad()
         (model(_batch(rank, s)).pow(2).mean() + (extra.pow(2).sum() if s >= 4 else 0)).backward()
         opt.step()
+    if zero:  # each re-shard drops the old shard tensors' state: what is left is this rank's pieces' alone
+        pieces = opt.state_dict(sharded=True)["distopt_shard"]["pieces"]
+        assert len(opt.state) <= len(pieces), f"rank {rank}: {len(opt.state)} state entries, {len(pieces)} pieces"
     return _params(model, opt) + [extra.detach().clone()]
 
 

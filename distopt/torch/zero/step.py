@@ -95,7 +95,11 @@ class ShardedTorchStep(GradientSink):
         if self._key is not None and key[1] == self._key[1] and (plan is self._key[0] or plan == self._key[0]):
             self._key = key  # the same layout (a plan bound before the first step, or the pipeline's own)
             return
-        everyone = gather_objects(self.comm, self.pieces()) if self.plan is not None else None
+        everyone = None
+        if self.plan is not None:
+            everyone = gather_objects(self.comm, self.pieces())
+            for s in self.shards:  # the old shard tensors' state goes with them
+                self.local.optimizer.state.pop(s, None)
         group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
         self.shards = self.shard_tensors(plan, tensors)
         self._key, self.plan, self.tensors = key, plan, list(tensors)
@@ -297,8 +301,7 @@ class ShardedTorchStep(GradientSink):
     def _outside(self) -> list[tuple[int, int, int, Any]]:
         """Every parameter outside the layout, whole (the same on every rank), with the state it had."""
         laid = {id(t) for t in self.tensors}
-        return [(n, 0, int(np.prod(self.shape(p))), {k: v for k, v in self._parked.get(n, {}).items()
-                                                       if k != "_shape"})
+        return [(n, 0, int(np.prod(self.shape(p))), self._parked.get(n, {}))
                 for n, p in enumerate(self.local.params()) if id(p) not in laid]
 
     def piece_values(self) -> list[Any]:
@@ -340,7 +343,7 @@ class ShardedTorchStep(GradientSink):
                 for name, v in state.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == stop - start:
                         if name not in entry:
-                            entry[name] = torch.zeros(hi - lo, dtype=v.dtype)
+                            entry[name] = v.new_zeros(hi - lo)
                         entry[name][a - lo:b - lo] = v[a - start:b - start]
                     elif name not in entry:
                         entry[name] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -350,11 +353,10 @@ class ShardedTorchStep(GradientSink):
         state = self.local.optimizer.state
         for s in self.shards:
             state.pop(s, None)
-        params = self.local.params()
         self._parked = {}
         for key, entry in taken.items():
             if isinstance(key, tuple):
-                self._parked[key[1]] = {**entry, "_shape": self.shape(params[key[1]])}
+                self._parked[key[1]] = entry
             else:
                 state[key] = entry
 

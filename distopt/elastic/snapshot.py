@@ -26,6 +26,7 @@ from ..checkpoint import TMP_SUFFIX, write_atomically
 __all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"commit-(\d+)\.part(\d+)of(\d+)\.pt")
+_TMP = re.compile(r"\.commit-(\d+)\.part\d+of\d+\.pt\..*" + re.escape(TMP_SUFFIX))
 
 
 class SnapshotDir:
@@ -60,11 +61,12 @@ class SnapshotDir:
         return final
 
     def prune(self, seq: int) -> None:
-        """Remove this agent's commits older than ``seq`` and every temporary file here (call it once no
-        write is in progress: after every rank stored commit ``seq``)."""
+        """Remove this agent's commits older than ``seq`` and the temporary files of commits up to ``seq`` (call it
+        once every rank stored commit ``seq``: those writes are over, while another rank of this agent may already
+        be writing commit ``seq + 1``)."""
         for other in (self.path.iterdir() if self.path.is_dir() else ()):
-            done = _NAME.fullmatch(other.name)
-            if (int(done.group(1)) < seq) if done else other.name.endswith(TMP_SUFFIX):
+            done, tmp = _NAME.fullmatch(other.name), _TMP.fullmatch(other.name)
+            if (done and int(done.group(1)) < seq) or (tmp and int(tmp.group(1)) <= seq):
                 other.unlink(missing_ok=True)
 
     def held(self) -> dict[tuple[int, int], dict[int, Path]]:

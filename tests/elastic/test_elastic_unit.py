@@ -1,6 +1,7 @@
 """distopt.elastic's pure parts, in process: the sampler's arithmetic, the commit files, State, the launch check."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -94,8 +95,11 @@ def test_snapshot_dir_keeps_the_newest_commit_alone(tmp_path: Path) -> None:
     assert d.newest() == 1 and sorted(d.held()) == [(1, 2)]  # a temporary file is never read
     d.write(2, 0, 1, b"two")
     assert sorted(p.name for p in d.path.iterdir())[-2:] == ["commit-1.part1of2.pt", "commit-2.part0of1.pt"]
+    writing = d.path / f".commit-3.part1of2.pt.host.{os.getpid()}.x{TMP_SUFFIX}"  # another rank, already at 3
+    writing.write_bytes(b"th")
     d.prune(2)  # once every rank stored commit 2
-    assert sorted(p.name for p in d.path.iterdir()) == ["commit-2.part0of1.pt"]
+    assert sorted(p.name for p in d.path.iterdir()) == [writing.name, "commit-2.part0of1.pt"]
+    writing.unlink()
     assert d.newest() == 2 and d.held()[(2, 1)][0].read_bytes() == b"two"
     d.remove()
     assert not d.path.exists() and d.newest() is None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..core.spares import Spares
 from .base import REDUCE_OPS, _starts, check_counts, check_reduce_args, check_rows
 from .lifecycle import collective, timed_call
 from .torch_arrays import FlatTensor, descriptor_code as _code, movable, torch_op
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchShards", "TorchShardHandle"]
 
-_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
-_BOOL_COMBINE = {"sum": torch.logical_or, "max": torch.logical_or, "min": torch.logical_and}
+_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+_BOOL_COMBINE = {"sum": torch.logical_or, "max": torch.logical_or, "min": torch.logical_and,
+                 "product": torch.logical_and}
 #: torch's current names (``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn FutureWarning since
 #: they became ``*_single``); the old ones on a torch that lacks them.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,19 +128,21 @@ class TorchShards:
     _group: Any
     _ctl: ControlBlock
     _complete: Callable[[Any, FlatTensor, str], None]
+    _spares: Spares
 
     def _start_reduce_scatter(self, t: FlatTensor, counts: list[int], op: str) -> tuple[Any, Callable[[], Any]]:
         """Start the reduce-scatter of ``t``; returns its work (None: nothing moves) and the function that finishes it
         and returns this rank's segment as the caller's array type."""
         reduction = torch_op(t.flat.dtype, op)
         width, mine = max(counts), counts[self.rank]
-        work, rows = None, None
+        work, rows, kept = None, None, None
         if self.size == 1:
             out = t.flat.clone()
         elif not width:
             out = t.new(0)
         elif not t.flat.is_cuda:  # every rank's copy of my segment, reduced here (see the module docs)
-            out, k = t.new(self.size * mine), t.flat.element_size()
+            kept = self._spares.take(self.size * mine, t.flat.dtype, t.new)  # no fresh pages on every call
+            out, k = kept[:self.size * mine], t.flat.element_size()
             work = dist.all_to_all_single(out.view(torch.uint8), t.flat.view(torch.uint8),
                                           output_split_sizes=[mine * k] * self.size,
                                           input_split_sizes=[c * k for c in counts], group=self._group,
@@ -155,7 +159,9 @@ class TorchShards:
             work = _reduce_scatter_single(out, src, op=reduction, group=self._group, async_op=True)
 
         def finish() -> Any:
-            result = out[:mine] if rows is None else _reduce_rows(rows, op)
+            result = out[:mine] if rows is None else _reduce_rows(rows, op)  # a new tensor from the rows
+            if kept is not None:
+                self._spares.give(kept)
             if op == "avg":
                 result.div_(self.size)
             return t.back(result)

@@ -33,6 +33,7 @@ except ImportError as exc:  # turned into BackendUnavailableError by distopt.com
 if not dist.is_available():
     raise ImportError("this PyTorch build has no torch.distributed")
 
+from ..core.spares import Spares
 from ..errors import CollectiveTimeoutError
 from ..launch.devices import device_index
 from . import control
@@ -107,6 +108,7 @@ class TorchCommunicator(TorchShards, CommunicatorState):
         self._block, self._table = torch.from_numpy(block), torch.from_numpy(table)  # shared with the numpy views
         self._ctl = control.ControlBlock("torch", self.rank, block, table, self._exchange)
         self._where, self._waits = StoreWhere(group, self.rank, self.size), 0
+        self._spares = Spares(2)  # the CPU reduce-scatter's receive buffers, kept between calls
         close_at_exit(self)
         wait_for_workers_at_exit()
 

@@ -7,6 +7,7 @@ from ..comm.base import Communicator
 from ..core.bucket_run import BucketRun, RunState
 from ..core.buckets import Bucket, pack
 from ..core._array import xp_of
+from ..core.spares import Spares
 from .plan import ShardPlan
 
 __all__ = ["ParamGather"]
@@ -33,14 +34,17 @@ class ParamGather:
         keep: add the buffers made here to ``buffers`` for later steps (stage 1: they are the layout's gradient
             buffers too). False (stage 2) and not ``asynchronous``: buckets without a buffer are packed one after
             another into ONE scratch buffer per dtype, so the gather holds one bucket's bytes at a time.
+        spares: where the scratch buffers come from and go back to once the gather completed (None: new ones).
 
     Attributes:
         gathered_bytes: BYTES of the buckets gathered (the buckets' sizes).
     """
 
     def __init__(self, comm: Communicator, runs: Sequence[BucketRun], plan: ShardPlan, params: Sequence[Any],
-                 buffers: list[Any], context: Callable[[str], Any], asynchronous: bool, keep: bool = True) -> None:
+                 buffers: list[Any], context: Callable[[str], Any], asynchronous: bool, keep: bool = True,
+                 spares: Spares | None = None) -> None:
         self.comm, self.runs, self.plan, self.params = comm, list(runs), plan, list(params)
+        self.spares = spares
         self.buffers, self.context, self.asynchronous, self.keep = buffers, context, asynchronous, keep
         self._scratch: dict[Any, Any] = {}
         self.gathered_bytes = 0
@@ -68,6 +72,10 @@ class ParamGather:
             run.flat, run.viewed, run.handle, run.state = flat, viewed, handle, RunState.GATHERING
             if native is None:
                 self.wait(run)
+        if self.spares is not None and not self.pending:
+            for scratch in self._scratch.values():
+                self.spares.give(scratch)
+            self._scratch.clear()
 
     def _own_range(self, run: BucketRun) -> tuple[int, int]:
         lo = self.plan.lows[run.index]
@@ -110,7 +118,9 @@ class ParamGather:
         key = str(bucket.dtype)
         if key not in self._scratch:
             size = max(r.bucket.size for r in self.runs if str(r.bucket.dtype) == key)
-            self._scratch[key] = xp_of(first).empty(size, dtype=bucket.dtype)
+            xp = xp_of(first)
+            new = lambda n: xp.empty(n, dtype=bucket.dtype)  # noqa: E731
+            self._scratch[key] = new(size) if self.spares is None else self.spares.take(size, bucket.dtype, new)
         return self._scratch[key][:bucket.size]
 
     def buckets_of(self, indices: set[int]) -> list[BucketRun]:

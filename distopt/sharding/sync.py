@@ -28,11 +28,15 @@ from ..core._array import all_zero, any_not_finite
 from ..core.bucket_run import BucketRun
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
+from ..core.spares import Spares
 from ..strategies.base import Strategy
 from .gather import ParamGather
 from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
 
 __all__ = ["BucketSync", "ShardedSync", "StepSync", "PieceUpdate", "ShardedStep", "bucket_sync"]
+
+#: Stage 2 and 3: the packing buffers of dropped buckets kept for the next bucket or step (each as large as a bucket).
+SPARE_BUFFERS = 2
 
 #: ``agree(bad)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
 Vote = Callable[[bool], bool]
@@ -71,6 +75,13 @@ class StepSync:
     def out(self, run: BucketRun) -> Any:
         """Where a bucket's collective leaves its result (``BucketContext.out``): in place, its flat buffer."""
         return run.flat
+
+    def new_buffer(self, size: int, dtype: Any, new: Callable[[int], Any]) -> Any:
+        """A packing buffer of at least ``size`` ELEMENTS of ``dtype`` for a bucket (the layout keeps it): ``new(size)``."""
+        return new(size)
+
+    def release(self, buffer: Any) -> None:  # noqa: ARG002 (the layout keeps its buffers)
+        """A dropped bucket's packing buffer (from :meth:`new_buffer`), no longer read or written by anyone."""
 
     def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
                        reduced: Callable[[int], Any], active: bool) -> Any:
@@ -151,6 +162,9 @@ class PieceUpdate(StepSync):
     #: The buffers of a step are the layout's, kept from step to step (the gather may add to them).
     keeps_buffers = True
     runs: Sequence[BucketRun] = ()
+    #: the engine's kept buffers (:class:`~distopt.core.spares.Spares`; stage 2 and 3), set by
+    #: :meth:`ShardedSync.begin`
+    spares: Spares | None = None
 
     def bind(self, runs: Sequence[BucketRun]) -> None:
         """The step's buckets (each landed one holds its segment; the parameters' gather runs over them)."""
@@ -174,7 +188,7 @@ class PieceUpdate(StepSync):
     def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
         """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
         gather = ParamGather(self.comm, self.runs, self.plan, params, self.buffers, self.context, asynchronous,
-                             keep=self.keeps_buffers)
+                             keep=self.keeps_buffers, spares=self.spares)
         gather.start()
         self.counters.gather_bytes += gather.gathered_bytes
         return gather
@@ -185,6 +199,15 @@ class ShardedStep(PieceUpdate):
     bucket's buffer once its reduce-scatter has completed. Args: as :class:`PieceUpdate`."""
 
     keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
+
+    def new_buffer(self, size: int, dtype: Any, new: Callable[[int], Any]) -> Any:
+        """A kept buffer that fits (see :class:`~distopt.core.spares.Spares`), else ``new(size)``."""
+        return new(size) if self.spares is None else self.spares.take(size, dtype, new)
+
+    def release(self, buffer: Any) -> None:
+        """Keep a dropped bucket's buffer for the next bucket or step."""
+        if self.spares is not None:
+            self.spares.give(buffer)
 
     @property
     def segments(self) -> list[Any]:
@@ -250,8 +273,8 @@ class ShardedStep(PieceUpdate):
 
     @property
     def held_bytes(self) -> int:
-        """BYTES of the segments (each in memory of its own, see :func:`_own`)."""
-        return sum(int(s.nbytes) for s in self._landed())
+        """BYTES of the segments (each in memory of its own, see :func:`_own`) and of the kept buffers."""
+        return sum(int(s.nbytes) for s in self._landed()) + (0 if self.spares is None else self.spares.held_bytes)
 
 
 class BucketSync:
@@ -297,6 +320,7 @@ class ShardedSync(BucketSync):
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
+        self.spares = Spares(SPARE_BUFFERS) if stage >= 2 else None
         self._pieces: tuple[Any, list[Any]] | None = None
 
     def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
@@ -322,7 +346,9 @@ class ShardedSync(BucketSync):
               comm: Communicator, context: Callable[[str], Any], counters: Counters) -> PieceUpdate:
         assert plan is not None
         kind = ShardedStep if self.stage >= 2 else PieceUpdate
-        return kind(launch, plan, buckets, buffers, comm, context, counters, lambda params: self._views(plan, params))
+        step = kind(launch, plan, buckets, buffers, comm, context, counters, lambda params: self._views(plan, params))
+        step.spares = self.spares
+        return step
 
 
 def bucket_sync(zero: int, comm: Communicator) -> BucketSync:

@@ -87,9 +87,16 @@ class BucketPipeline:
         else:
             buf = self.buffers[b]
             if buf is None:
-                ref = self.params[bucket.slots[0].index]
-                buf = self.buffers[b] = xp_of(ref).empty(bucket.size, dtype=bucket.dtype)
-            run.flat, run.viewed = buf, False
+                xp = xp_of(self.params[bucket.slots[0].index])
+                buf = self.buffers[b] = self.sync.new_buffer(bucket.size, bucket.dtype,
+                                                             lambda n: xp.empty(n, dtype=bucket.dtype))
+            run.flat, run.viewed = buf[:bucket.size], False  # a kept buffer may be larger
+
+    def _drop(self, run: BucketRun) -> None:
+        """Let go of a bucket's flat buffer; a packing buffer goes back to the step's sync (it may keep it)."""
+        if not run.viewed and self.buffers[run.index] is not None:
+            self.sync.release(self.buffers[run.index])
+        run.drop(self.buffers)
 
     def _put(self, index: int, grad: Any) -> None:
         run, s = self.where[index]
@@ -110,10 +117,15 @@ class BucketPipeline:
             test = getattr(run.handle, "test", None)
             if test is not None:  # MPI needs test() calls to progress a reduction while backward runs
                 test()
-            kept = self.sync.poll(run) if run.state is RunState.STARTED else None
-            if kept is not None:  # the sync holds the result: the bucket's buffer may go
-                run.handle, run.state = kept, RunState.HELD
-                run.drop(self.buffers)
+            self._poll(run)
+
+    def _poll(self, run: BucketRun) -> None:
+        """When the step's sync holds a started bucket's result (:meth:`~distopt.sharding.sync.StepSync.poll`), let
+        the bucket's buffer go."""
+        kept = self.sync.poll(run) if run.state is RunState.STARTED else None
+        if kept is not None:
+            run.handle, run.state = kept, RunState.HELD
+            self._drop(run)
 
     def _range(self, run: BucketRun, phase: str) -> Any:
         """A ``torch.profiler`` range for a bucket (a no-op unless a profiler records)."""
@@ -168,13 +180,15 @@ class BucketPipeline:
         reductions run at once from here on: MPI moves many concurrent large all-reduces slower than a short queue. On a
         thread-backed communicator every started reduction has ended when this returns (one thread at a time may use the
         communicator)."""
-        for index in self.where:
-            if index not in self.marked:
-                self._put(index, grads[index])
         while self.next < len(self.runs):
             if self.next >= IN_FLIGHT:
                 self._wait(self.runs[self.next - IN_FLIGHT])
-            self._start(self.runs[self.next])
+                self._poll(self.runs[self.next - IN_FLIGHT])  # its buffer may serve the next bucket
+            run = self.runs[self.next]
+            for s in run.bucket.slots:  # packed now, not all at once: a sharded step reuses the buffers it drops
+                if s.index not in self.marked:
+                    self._put(s.index, grads[s.index])
+            self._start(run)
         if self.launch.threaded:
             for run in self.runs[:self.next]:
                 self._wait(run)
@@ -199,7 +213,7 @@ class BucketPipeline:
             self.counters.wire_bytes += done.wire_bytes
             self.counters.dense_bytes += run.bucket.size * run.bucket.dtype.itemsize
             if self.sync.land(run, done, grads) and run.flat is not None:
-                run.drop(self.buffers)
+                self._drop(run)
             run.state = RunState.LANDED
         self.strategy.end_of_step()
 

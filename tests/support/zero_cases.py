@@ -110,7 +110,7 @@ def case_torch(rank: int, comm: Any, zero: int, optimizer: str, options: dict[st
     if options.get("overlap_param_gather"):
         opt.synchronize()  # the last step's gathers are still in flight: no forward has waited for them
     out = {"params": _params(model, opt), "stats": dict(opt.stats), "norms": norms,
-           "state": opt.state_dict()}
+           "state": opt.state_dict(), "bucket_bytes": max(b.size for b in opt.engine.layout.buckets) * 4}
     if scaler is not None:
         out["scale"] = float(scaler.get_scale())
     return out
@@ -323,3 +323,26 @@ def case_elastic_parts(rank: int, comm: Any, zero: int, parts: list[bytes] | Non
     out["params"] = _params(model, opt)
     opt.close()
     return out
+
+
+def case_fresh_buffers(rank: int, comm: Any, zero: int) -> list[int]:
+    """distopt.SGD on NumPy arrays at ``zero``, buckets of 64 elements: per step, the bucket buffers newly allocated
+    (not taken from the engine's kept buffers)."""
+    params = params_for(SHAPES, np.float32)
+    opt = distopt.DistOpt(distopt.SGD(lr=0.1, momentum=0.9), comm=comm, zero=zero, buffSize=64)
+    spares, fresh = opt.engine.sync.spares, [0]
+    take = spares.take
+
+    def counting(size: int, dtype: Any, new: Any) -> Any:
+        def made(n: int) -> Any:
+            fresh[0] += 1
+            return new(n)
+        return take(size, dtype, made)
+
+    spares.take = counting
+    per_step = []
+    for s in range(STEPS):
+        fresh[0] = 0
+        opt.step(params, grads_for(s, rank, SHAPES, np.float32))
+        per_step.append(fresh[0])
+    return per_step

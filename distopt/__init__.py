@@ -10,6 +10,7 @@ from typing import Any
 
 from .async_collectives import CollectiveHandle
 from .checkpoint import load, save
+from .compression import Compression
 from .data import DistributedSampler, eval_partition_indices, partition, partition_indices
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, DistOptError)
@@ -25,7 +26,7 @@ __all__ = [
     "DistOpt", "SGD", "NcclIdHolder", "save", "load", "DistributedSampler", "partition", "partition_indices",
     "eval_partition_indices", "DistOptError", "BackendUnavailableError", "CollectiveMismatchError",
     "CollectiveTimeoutError", "CommunicatorClosedError", "setup_logging", "init", "World", "Group", "new_group",
-    "CollectiveHandle", "ShardStream", "SyncBatchNorm", "convert_sync_batchnorm",
+    "CollectiveHandle", "ShardStream", "SyncBatchNorm", "convert_sync_batchnorm", "Compression",
 ]
 __version__ = "0.1.0"
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import array_collectives as checked
+from . import grouped_collectives as grouped
+from . import sparse_collectives as sparse
 from .async_collectives import AsyncCollectives, CollectiveHandle
 from .comm.base import Communicator
 from .comm.groups import Group, communicator_of
@@ -49,21 +51,27 @@ class Collectives:
             return self._async.submit(comm, call, fn, *args)
         return fn(comm, *args)
 
-    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
+    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """In-place all-reduce of one array or contiguous torch tensor (any shape), zero-copy.
 
         Args:
-            op: ``"sum"``, ``"avg"`` (floats only), ``"max"``, ``"min"``.
+            op: ``"sum"``, ``"avg"`` (floats only), ``"max"``, ``"min"``, ``"product"``, ``"adasum"`` (Horovod's
+                Adasum: floats, a power-of-two world; :mod:`distopt.comm.adasum`).
+            prescale_factor: Horovod's: the result is ``postscale_factor * reduce(prescale_factor * array)``,
+                integers scaled in float64 and cast back (:mod:`distopt.comm.scaled`).
+            postscale_factor: see ``prescale_factor``.
 
         Returns:
             ``array`` itself, holding the result (or a handle whose ``wait()`` returns it).
 
         Raises:
             TypeError / ValueError: on every rank, naming the rank whose argument is bad (an unsupported op or dtype,
-                ``"avg"`` on integers, a non-contiguous or sparse tensor).
-            CollectiveMismatchError: on every rank, the shape, dtype or op differs across ranks.
+                ``"avg"`` on integers, a non-contiguous or sparse tensor, a factor not 1 on a bool array).
+            CollectiveMismatchError: on every rank, the shape, dtype, op or a factor differs across ranks.
         """
-        return self._run("all_reduce", checked.all_reduce, group, async_op, array, op)
+        return self._run("all_reduce", checked.all_reduce, group, async_op, array, op, prescale_factor,
+                         postscale_factor)
 
     def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
         """In-place broadcast of one array or contiguous torch tensor from ``root`` (a rank of ``group`` when given);
@@ -86,27 +94,91 @@ class Collectives:
         """
         return self._run("all_gather", checked.all_gather, group, async_op, array)
 
-    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
-                       async_op: bool = False) -> Any:
+    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """This rank's chunk of the reduction (``torch.distributed.reduce_scatter_tensor``): ``shape[0]`` split into W
         equal chunks; returns a new array of shape ``(shape[0] // W, *shape[1:])``, chunk ``rank`` of the elementwise
-        reduction; ``array`` is unchanged.
+        reduction; ``array`` is unchanged. ``op`` and the factors as :meth:`all_reduce`.
 
         Raises:
             ValueError: ``shape[0]`` not divisible by W, a 0-d array, an unknown op.
             TypeError / CollectiveMismatchError: as :meth:`all_reduce` (equal shapes). All on every rank.
         """
-        return self._run("reduce_scatter", checked.reduce_scatter, group, async_op, array, op)
+        return self._run("reduce_scatter", checked.reduce_scatter, group, async_op, array, op, prescale_factor,
+                         postscale_factor)
 
-    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """``shape[0]`` split into W equal chunks, chunk ``j`` sent to rank ``j``
-        (``torch.distributed.all_to_all_single``); returns a new array of ``array``'s shape whose chunk ``i`` came
-        from rank ``i``.
+    def grouped_all_reduce(self, arrays: Sequence[Any], op: str = "sum", *, group: Group | None = None,
+                           async_op: bool = False, prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> list[Any]:
+        """:meth:`all_reduce` of every array of ``arrays`` in place, one fused all-reduce per dtype (Horovod's
+        ``grouped_allreduce_``); returns the arrays (a list, input order), or one handle for the whole group.
 
         Raises:
-            ValueError / TypeError / CollectiveMismatchError: as :meth:`reduce_scatter`, on every rank.
+            TypeError / ValueError: as :meth:`all_reduce`, naming the rank and the array (``arrays[i]``).
+            CollectiveMismatchError: on every rank, the number of arrays, a shape or dtype, the op or a factor
+                differs across ranks (:mod:`distopt.grouped_collectives`).
         """
-        return self._run("all_to_all", checked.all_to_all, group, async_op, array)
+        return self._run("grouped_all_reduce", grouped.grouped_all_reduce, group, async_op, arrays, op,
+                         prescale_factor, postscale_factor)
+
+    def grouped_all_gather(self, arrays: Sequence[Any], *, group: Group | None = None,
+                           async_op: bool = False) -> list[Any]:
+        """:meth:`all_gather` of every array of ``arrays``, one fused all-gather per dtype (Horovod's
+        ``grouped_allgather``); new arrays, input order (or one handle).
+
+        Raises:
+            ValueError / TypeError / CollectiveMismatchError: as :meth:`grouped_all_reduce` (0-d arrays; shapes
+                compared beyond the first dimension).
+        """
+        return self._run("grouped_all_gather", grouped.grouped_all_gather, group, async_op, arrays)
+
+    def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "sum", *, group: Group | None = None,
+                               async_op: bool = False, prescale_factor: float = 1.0,
+                               postscale_factor: float = 1.0) -> list[Any]:
+        """:meth:`reduce_scatter` of every array of ``arrays``, one fused reduce-scatter per dtype (Horovod's
+        ``grouped_reducescatter``); new arrays, input order (or one handle).
+
+        Raises:
+            ValueError / TypeError / CollectiveMismatchError: as :meth:`reduce_scatter` and
+                :meth:`grouped_all_reduce`.
+        """
+        return self._run("grouped_reduce_scatter", grouped.grouped_reduce_scatter, group, async_op, arrays, op,
+                         prescale_factor, postscale_factor)
+
+    def all_to_all(self, array: Any, splits: Any = None, *, group: Group | None = None,
+                   async_op: bool = False) -> Any:
+        """Rows of ``shape[0]`` sent to each rank (Horovod's ``alltoall``, ``torch.distributed.all_to_all_single``).
+
+        Args:
+            splits: W ints >= 0 summing to ``shape[0]``: the ROWS sent to each rank, uneven allowed (the MoE pattern;
+                a list, a NumPy or torch integer array); None: W equal chunks. ``shape[0]`` may differ across ranks,
+                ``shape[1:]`` and the dtype must not.
+
+        Returns:
+            A new array of shape ``(rows received, *shape[1:])``, rank i's rows after rank i-1's; with ``splits``,
+            ``(array, received_splits)``, the rows received from each rank of ``splits``'s kind (a torch tensor of its
+            dtype and device, a NumPy array, else a list) (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            ValueError: on every rank, naming the rank: bad ``splits`` (length, a negative or non-integer entry, a sum
+                other than ``shape[0]``), without ``splits`` ``shape[0]`` not divisible by W, a 0-d array.
+            TypeError / CollectiveMismatchError: as :meth:`all_gather` (``shape[1:]`` and dtype; ``splits`` given on
+                some ranks only), on every rank.
+        """
+        return self._run("all_to_all", checked.all_to_all, group, async_op, array, splits)
+
+    def sparse_all_reduce(self, tensor: Any, op: str = "sum", *, group: Group | None = None,
+                          async_op: bool = False) -> Any:
+        """Every rank's entries of the torch sparse COO ``tensor`` (Horovod's ``sparse_allreduce_async``): all-gathered
+        and concatenated in rank order into a new, uncoalesced sparse tensor of ``tensor``'s size, its values divided
+        by W for ``"avg"`` (:func:`distopt.sparse_collectives.sparse_all_reduce`); ``tensor`` is unchanged. The number
+        of entries may differ across ranks; ``.coalesce()`` of the result sums each index's entries.
+
+        Raises:
+            TypeError / ValueError / CollectiveMismatchError: on every rank: not a sparse COO tensor, an op other than
+                ``"sum"`` and ``"avg"``, ``"avg"`` on integers; the size, ``sparse_dim`` or dtype differs.
+        """
+        return self._run("sparse_all_reduce", sparse.sparse_all_reduce, group, async_op, tensor, op)
 
     def _comm(self, group: Group | None, call: str) -> Communicator:
         return self.comm if group is None else communicator_of(group, call)
@@ -184,10 +256,13 @@ class CollectiveMethods:
 
     _collectives: Collectives
 
-    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False) -> Any:
+    def all_reduce(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """In-place all-reduce of one array or contiguous tensor; returns it, or with ``async_op=True`` a handle whose
-        ``wait()`` does; ``group``: a process group (all collectives: :class:`~distopt.collectives.Collectives`)."""
-        return self._collectives.all_reduce(array, op, group=group, async_op=async_op)
+        ``wait()`` does; ``group``: a process group (all collectives: :class:`~distopt.collectives.Collectives`);
+        ``postscale_factor * reduce(prescale_factor * array)``."""
+        return self._collectives.all_reduce(array, op, group=group, async_op=async_op,
+                                            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
     def broadcast(self, array: Any, root: int = 0, *, group: Group | None = None, async_op: bool = False) -> Any:
         """In-place broadcast of one array or contiguous tensor from ``root``; returns it."""
@@ -197,14 +272,43 @@ class CollectiveMethods:
         """Every rank's rows in rank order: a new ``(sum of shape[0], *shape[1:])`` array; ``shape[0]`` may differ."""
         return self._collectives.all_gather(array, group=group, async_op=async_op)
 
-    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None,
-                       async_op: bool = False) -> Any:
+    def reduce_scatter(self, array: Any, op: str = "sum", *, group: Group | None = None, async_op: bool = False,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """This rank's chunk (``shape[0] // W`` rows, a new array) of the reduction, as ``reduce_scatter_tensor``."""
-        return self._collectives.reduce_scatter(array, op, group=group, async_op=async_op)
+        return self._collectives.reduce_scatter(array, op, group=group, async_op=async_op,
+                                                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
-    def all_to_all(self, array: Any, *, group: Group | None = None, async_op: bool = False) -> Any:
-        """Chunk ``j`` of ``shape[0]`` (W equal chunks) sent to rank ``j``; a new array, as ``all_to_all_single``."""
-        return self._collectives.all_to_all(array, group=group, async_op=async_op)
+    def grouped_all_reduce(self, arrays: Sequence[Any], op: str = "sum", *, group: Group | None = None,
+                           async_op: bool = False, prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> list[Any]:
+        """:meth:`all_reduce` of many arrays in place, one fused all-reduce per dtype; returns them (input order)."""
+        return self._collectives.grouped_all_reduce(arrays, op, group=group, async_op=async_op,
+                                                    prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def grouped_all_gather(self, arrays: Sequence[Any], *, group: Group | None = None,
+                           async_op: bool = False) -> list[Any]:
+        """:meth:`all_gather` of many arrays, one fused all-gather per dtype; new arrays, input order."""
+        return self._collectives.grouped_all_gather(arrays, group=group, async_op=async_op)
+
+    def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "sum", *, group: Group | None = None,
+                               async_op: bool = False, prescale_factor: float = 1.0,
+                               postscale_factor: float = 1.0) -> list[Any]:
+        """:meth:`reduce_scatter` of many arrays, one fused reduce-scatter per dtype; new arrays, input order."""
+        return self._collectives.grouped_reduce_scatter(arrays, op, group=group, async_op=async_op,
+                                                        prescale_factor=prescale_factor,
+                                                        postscale_factor=postscale_factor)
+
+    def all_to_all(self, array: Any, splits: Any = None, *, group: Group | None = None,
+                   async_op: bool = False) -> Any:
+        """``splits[j]`` rows of ``shape[0]`` (None: W equal chunks) sent to rank ``j``; a new array, with ``splits``
+        ``(array, received_splits)`` (Horovod's ``alltoall``; :meth:`~distopt.collectives.Collectives.all_to_all`)."""
+        return self._collectives.all_to_all(array, splits, group=group, async_op=async_op)
+
+    def sparse_all_reduce(self, tensor: Any, op: str = "sum", *, group: Group | None = None,
+                          async_op: bool = False) -> Any:
+        """Every rank's entries of a torch sparse COO tensor, concatenated in rank order (not coalesced; values / W
+        for ``"avg"``): Horovod's ``sparse_allreduce_async`` (:meth:`Collectives.sparse_all_reduce`)."""
+        return self._collectives.sparse_all_reduce(tensor, op, group=group, async_op=async_op)
 
     def all_reduce_metrics(self, metrics: Mapping[str, Any], mean: tuple[str, ...] = (), *,
                            group: Group | None = None) -> dict[str, Any]:

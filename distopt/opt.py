@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
+from .accumulation import AccumulationMethods
 from .collectives import CollectiveMethods, Collectives
 from .comm.base import Communicator
 from .core.counters import Counters
@@ -18,7 +19,7 @@ from .launch.world import World, acquire_comm
 from .sharding.plan import check_sharding
 from .sharding.shard_state import ShardStream
 from .sharding.sync import bucket_sync
-from .torch.zero.state import torch_sharding
+from .torch.zero.state import stage_options, torch_sharding
 from .singa import SingaMethods
 from .step.accumulate import GradientAccumulator
 from .step.engine import Engine
@@ -26,8 +27,8 @@ from .step.local import ArrayOptimizer
 from .step.runner import JoinResult, StepRunner
 from .step.state import StepState
 from .step.strategy_set import StrategySet
-from .strategies import Dense, Strategy
-from .strategies.registry import strategy_error
+from .compression import strategy_for
+from .strategies import Strategy
 from .torch.adapter import TorchOptimizer, is_torch_optimizer, local_optimizer
 from .torch.bucket_views import check_bucket_view
 from .torch.follower import Follower
@@ -37,7 +38,7 @@ from .torch.optimizer import optimizer_class
 __all__ = ["DistOpt"]
 
 
-class DistOpt(SingaMethods, CollectiveMethods):
+class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
     """Data-parallel wrapper around a local optimizer.
 
     Args:
@@ -49,6 +50,7 @@ class DistOpt(SingaMethods, CollectiveMethods):
         buffSize: capacity of one fusion buffer in ELEMENTS (default 4194304: 16 MiB of float32).
         strategy: how :meth:`step` and :meth:`backward_and_update` average (default
             :class:`~distopt.strategies.Dense`); the same strategy and settings on every rank.
+        compression: Horovod's ``Compression.fp16`` (``strategy=Half()``; ValueError with a ``strategy``) or ``.none``.
         backend: force a backend (see :func:`distopt.launch.backend_rule.build_world`).
         comm: an existing communicator to use instead of building one.
         timeout: collective deadline in seconds (default ``$DISTOPT_TIMEOUT`` or 300).
@@ -87,6 +89,10 @@ class DistOpt(SingaMethods, CollectiveMethods):
             forward that used it and gathers it again for backward; False keeps every bucket gathered from
             forward until its gradients are ready (one all-gather per step instead of two, for the memory of
             the whole model during forward and backward; still 1/W at rest).
+        init: ``zero=3`` with a ``model`` built on the meta device (``docs/sharding.md``): ``init(module)``
+            initializes each module owning meta tensors in place, instead of its ``reset_parameters()``.
+        param_dtype: ``zero=3``'s mixed precision, FSDP2's ``MixedPrecisionPolicy``: forward, backward, gathers in it.
+        reduce_dtype: the gradients' reduction's dtype (None: ``param_dtype``; :mod:`distopt.torch.zero.precision`).
         hierarchical: the all-reduce across nodes (:mod:`distopt.comm.hierarchy`): None picks it on the torch
             backend when there are several nodes (host names) with the same number (> 1) of processes; True
             requires it (mpi or torch; ValueError where it cannot be); False keeps the flat all-reduce.
@@ -103,11 +109,11 @@ class DistOpt(SingaMethods, CollectiveMethods):
         sampler: a :class:`~distopt.data.DistributedSampler` whose epoch :meth:`state_dict` saves (assign it).
 
     Raises:
-        TypeError: ``opt`` or ``strategy`` is none of the supported kinds.
+        TypeError: ``opt``, ``strategy`` or ``compression`` is none of the supported kinds.
         ValueError: ``buffSize < 1``, inconsistent rank arguments, or ``gradient_as_bucket_view=True`` with an array
             optimizer or a strategy that averages parameters (partial); ``zero`` not in (0, 1, 2, 3), with another
             strategy or an optimizer that is not elementwise; ``zero=3`` without ``model`` or with an array
-            optimizer.
+            optimizer; ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``, or below ``zero=3``.
     """
 
     def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003
@@ -119,22 +125,21 @@ class DistOpt(SingaMethods, CollectiveMethods):
                  backend: str | None = None, comm: Communicator | None = None, timeout: float | None = None,
                  backward_passes_per_step: int = 1, check_finite: bool = False, abort_on_exception: bool = True,
                  overlap: bool = True, model: Any = None, broadcast_buffers: bool = True,
-                 sparse_as_dense: bool = False, world: World | None = None,
+                 sparse_as_dense: bool = False, world: World | None = None, compression: Any = None,
                  gradient_as_bucket_view: bool = False, divide_by_initial_world_size: bool = True,
                  named_parameters: Any = None, zero: int = 0, overlap_param_gather: bool = False,
-                 reshard_after_forward: bool = True,
-                 hierarchical: bool | None = None, group: Any = None) -> None:
+                 reshard_after_forward: bool = True, init: Any = None, param_dtype: Any = None,
+                 reduce_dtype: Any = None, hierarchical: bool | None = None, group: Any = None) -> None:
         if buffSize < 1:
             raise ValueError(f"buffSize must be >= 1 element, got {buffSize}")
-        if strategy is not None and not isinstance(strategy, Strategy):
-            raise strategy_error(strategy)
         self.opt = opt
         self.local = local = local_optimizer(opt)
-        held = Dense() if strategy is None else strategy
+        held = strategy_for(strategy, compression)  # TypeError for a bad strategy (before the communicator)
         if gradient_as_bucket_view:
             check_bucket_view(local, held)
-        if (model is not None or named_parameters is not None) and not isinstance(local, TorchOptimizer):
-            raise TypeError("model= and named_parameters= need a torch.optim.Optimizer inside DistOpt")
+        if any(x is not None for x in (model, named_parameters, init)) and not isinstance(local, TorchOptimizer):
+            raise TypeError("model=, named_parameters= and init= need a torch.optim.Optimizer inside DistOpt")
+        precision = stage_options(zero, bool(reshard_after_forward), param_dtype, reduce_dtype, local)
         accumulator = (GradientAccumulator(backward_passes_per_step)
                        if backward_passes_per_step != 1 and isinstance(local, ArrayOptimizer) else None)
         self.comm, self.rank_in_local, self.local_size, self._release = acquire_comm(
@@ -147,12 +152,9 @@ class DistOpt(SingaMethods, CollectiveMethods):
         strategies = StrategySet(held)
         self._runner = StepRunner(self.engine, local, strategies, self._counters, bool(overlap), accumulator)
         counters = self._counters
-        if not reshard_after_forward and zero != 3:
-            raise ValueError(f"reshard_after_forward=False keeps zero=3's gathered parameters from forward to "
-                             f"backward; with zero={zero} the parameters are never freed: drop it, or use zero=3")
         sink, sharded_state = (torch_sharding(zero, self.comm, local, overlap_param_gather, model,
-                                              gradient_as_bucket_view, counters, bool(reshard_after_forward))
-                               if isinstance(local, TorchOptimizer) else (None, None))
+                                              gradient_as_bucket_view, counters, bool(reshard_after_forward), init,
+                                              precision) if isinstance(local, TorchOptimizer) else (None, None))
         self._state = StepState(local, self._counters, strategies, sharded_state)
         self._collectives = Collectives(self.comm, self.engine, local)
         self.sampler: Any = None

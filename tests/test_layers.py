@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "distopt"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("elastic", ("distopt.elastic",)),
     ("face", ("distopt", "distopt.opt", "distopt.singa", "distopt.collectives", "distopt.array_collectives",
-              "distopt.async_collectives", "distopt.autograd")),
+              "distopt.async_collectives", "distopt.autograd", "distopt.grouped_collectives",
+              "distopt.sparse_collectives", "distopt.compression", "distopt.accumulation")),
     ("torch", ("distopt.torch",)),
     ("step", ("distopt.step", "distopt.sharding")),
     ("strategies", ("distopt.strategies",)),

@@ -9,7 +9,8 @@ The sharded collectives (:meth:`Communicator.reduce_scatter`, :meth:`Communicato
 :func:`split_counts`); :func:`check_counts` and :func:`check_rows` validate their arguments the same way on every
 backend. The MPI, torch and NCCL backends also have ``reduce_scatter_async`` and ``all_gather_into_async`` (same
 arguments; a handle whose ``test()`` never blocks and whose ``wait()``, callable more than once, returns what the
-blocking form returns); shm and single do not (run their blocking forms on a worker thread instead).
+blocking form returns); shm and single do not (run their blocking forms on a worker thread instead). The torch backend
+also has ``all_gather_pieces_async`` (CPU memory: pieces of arrays, in place; :mod:`~distopt.comm.torch_shards`).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from .wait import DEFAULT_TIMEOUT, TIMEOUT_ENV, default_timeout, resolve_timeout
 __all__ = ["Communicator", "ShardingCommunicator", "REDUCE_OPS", "DEFAULT_TIMEOUT", "TIMEOUT_ENV", "default_timeout",
            "resolve_timeout", "check_reduce_args", "split_counts", "check_counts", "check_rows", "counts_digest"]
 
-#: Reduction operations every backend supports, by name.
-REDUCE_OPS = ("sum", "avg", "max", "min")
+#: Reduction operations every backend supports, by name (``"product"``: Horovod's ``Product``, ``ReduceOp.PRODUCT``).
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
 @runtime_checkable
@@ -48,8 +49,8 @@ class Communicator(Protocol):
         Args:
             array: a C-contiguous array (NumPy for CPU backends, CuPy for NCCL) of any shape, including size 0. Every
                 rank passes the same element count and dtype.
-            op: ``"sum"``, ``"avg"`` (sum / size), ``"max"`` or ``"min"``; integers take all but ``"avg"`` (TypeError),
-                booleans reduce as logical OR for sum/max and logical AND for min.
+            op: ``"sum"``, ``"avg"`` (sum / size), ``"max"``, ``"min"`` or ``"product"``; integers take all but
+                ``"avg"`` (TypeError), booleans reduce as logical OR for sum/max and logical AND for min/product.
 
         Raises:
             TypeError: unsupported dtype or op for that dtype.
@@ -99,7 +100,8 @@ class ShardingCommunicator(Communicator, Protocol):
             array: 1-D, C-contiguous, ``sum(counts)`` elements; the same dtype, ``counts`` and ``op`` on every rank.
             counts: ELEMENTS of each rank's segment, ``len(counts) == size``, ints >= 0 (0 allowed); segment r starts at
                 element ``sum(counts[:r])``. None: ``split_counts(array.size, size)``.
-            op: as for :meth:`all_reduce` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``; the same dtype rules).
+            op: as for :meth:`all_reduce` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``; the same dtype
+                rules).
 
         Returns:
             A 1-D array of ``counts[rank]`` elements of ``array``'s dtype (the backend's array type): the reduction of

@@ -28,7 +28,7 @@ __all__ = ["KINDS", "HEAD_BYTES", "MAX_INLINE_BYTES", "inline_bytes", "block_byt
 
 #: Collective kinds, by code.
 KINDS = ("all_reduce", "broadcast", "all_gather", "all_gather_v", "barrier", "reduce_scatter", "all_gather_into",
-         "all_to_all")
+         "all_to_all", "all_to_all_v")
 
 #: Bytes of the descriptor at the start of a control block (four int64).
 HEAD_BYTES = 32

@@ -41,11 +41,11 @@ _OPS: dict[tuple[np.dtype, str], Any] = {}
 
 
 def half_op(dtype: np.dtype, op: str) -> Any:
-    """The user-defined MPI op for ``"max"`` or ``"min"`` of a 16-bit float dtype (sums are :class:`HalfSum`), created
-    once per process (MPI limits their number)."""
+    """The user-defined MPI op for ``"max"``, ``"min"`` or ``"product"`` of a 16-bit float dtype (sums are
+    :class:`HalfSum`; each combination in float32, rounded once), created once per process (MPI limits their number)."""
     key = (dtype, op)
     if key not in _OPS:
-        ufunc = {"max": np.maximum, "min": np.minimum}[op]
+        ufunc = {"max": np.maximum, "min": np.minimum, "product": np.multiply}[op]
 
         def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:  # noqa: ARG001
             a = np.frombuffer(inbuf, dtype=dtype)

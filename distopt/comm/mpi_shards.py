@@ -1,11 +1,11 @@
-"""The MPI backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
+"""The MPI backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all (even and uneven).
 
 :class:`MpiShards` is a mixin of :class:`~distopt.comm.mpi.MPICommunicator` (it uses the communicator's control block
 and bounded waits; buffers and datatypes come from :mod:`~distopt.comm.mpi_types`). ``reduce_scatter`` is
 ``Ireduce_scatter`` with the per-rank counts into a new array (``array`` is left unchanged), ``all_gather_into`` an
-in-place ``Iallgatherv`` (``MPI.IN_PLACE``), ``all_to_all`` an ``Ialltoall`` into a new array. The blocking forms first
-agree on the call through the control block, its inline data carrying a CRC-32 of ``counts``
-(:func:`~distopt.comm.base.counts_digest`), so ranks with different counts, dtypes or ops raise
+in-place ``Iallgatherv`` (``MPI.IN_PLACE``), ``all_to_all`` an ``Ialltoall`` and ``all_to_all_v`` an ``Ialltoallv``
+into a new array. The blocking forms first agree on the call through the control block, its inline data carrying a
+CRC-32 of ``counts`` (:func:`~distopt.comm.base.counts_digest`), so ranks with different counts, dtypes or ops raise
 :class:`~distopt.errors.CollectiveMismatchError` on every rank; the ``_async`` forms do not (as ``all_reduce_async``).
 
 float16 and bfloat16 sums (and averages) go as in :mod:`~distopt.comm.mpi_half`: rank r receives every rank's copy of
@@ -27,6 +27,7 @@ from .control import dtype_code
 from .lifecycle import Completed, collective, timed_call
 from .mpi_types import mpi_buffer, reduce_op
 from .staging import staged
+from .uneven import check_matrix, received
 
 if TYPE_CHECKING:
     from .control import ControlBlock
@@ -218,4 +219,32 @@ class MpiShards:
             out[...] = array
         elif array.size:
             self._wait(self._comm.Ialltoall([buf, mpi_type], [mpi_buffer(out)[0], mpi_type]), what)
+        return out
+
+    @staged
+    @collective
+    def all_to_all_v(self, array: np.ndarray, matrix: Sequence[Sequence[int]]) -> np.ndarray:
+        """Uneven all-to-all (``Ialltoallv``): ``matrix[i][j]`` ELEMENTS from rank i to rank j; see
+        :mod:`distopt.comm.uneven`.
+
+        Returns:
+            A new 1-D array of ``sum(matrix[i][rank] for i)`` elements, rank i's segment after rank i-1's.
+
+        Raises:
+            ValueError: ``array`` not 1-D, a bad matrix (:func:`~distopt.comm.uneven.check_matrix`).
+            TypeError: not a NumPy array, non-contiguous, unsupported dtype.
+            CollectiveMismatchError: the matrices (compared as a CRC-32) or dtypes differ, on every rank.
+            CollectiveTimeoutError: the deadline passed.
+        """
+        rows = check_matrix(array, matrix, self.rank, self.size)
+        buf, mpi_type = mpi_buffer(array)
+        sends, gets = rows[self.rank], received(rows, self.rank)
+        out = np.empty(sum(gets), dtype=array.dtype)
+        flat = [c for row in rows for c in row]
+        what = self._ctl.agree_counts("all_to_all_v", sum(flat), dtype_code(array.dtype), flat)
+        if self.size == 1:
+            out[...] = array
+        elif sum(flat):
+            self._wait(self._comm.Ialltoallv([buf, (sends, _starts(sends)), mpi_type],
+                                             [mpi_buffer(out)[0], (gets, _starts(gets)), mpi_type]), what)
         return out

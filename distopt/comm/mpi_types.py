@@ -3,7 +3,7 @@
 Every NumPy dtype with an MPI datatype travels as itself (``MPI.FLOAT``, ``MPI.INT64_T``, ``MPI.C_BOOL``, ...). float16
 and bfloat16 have none: they travel as 16-bit words (``MPI.UINT16_T``, 2 bytes per element) and are reduced by
 :mod:`~distopt.comm.mpi_half` (its user-defined operations for max and min; sums go another way). Booleans reduce with
-logical OR (``"sum"``, ``"max"``) and AND (``"min"``); ``"avg"`` is an MPI sum the backend then divides.
+logical OR (``"sum"``, ``"max"``) and AND (``"min"``, ``"product"``); ``"avg"`` is an MPI sum the backend then divides.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ _MPI_TYPES: dict[np.dtype, Any] = {
     np.dtype(np.uint64): MPI.UINT64_T,
     np.dtype(np.bool_): MPI.C_BOOL,
 }
-_NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+_NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "product": MPI.PROD}
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
 
 
 def mpi_buffer(array: Any) -> tuple[np.ndarray, Any]:

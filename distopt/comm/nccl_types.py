@@ -5,7 +5,8 @@ and leaves ``available = False`` with none of NCCL's names (``cupy/cuda/nccl.py`
 module raises ``ImportError`` then, which :func:`distopt.comm.backend_class` turns into ``BackendUnavailableError``.
 
 NCCL has float16, bfloat16 (CuPy 14 with ml_dtypes), float32, float64, int8, uint8, int32, uint32, int64 and uint64;
-bool travels as uint8 and is reduced with MAX (logical OR: ``"sum"``, ``"max"``) or MIN (logical AND: ``"min"``).
+bool travels as uint8 and is reduced with MAX (logical OR: ``"sum"``, ``"max"``) or MIN (logical AND: ``"min"``,
+``"product"``).
 ``"avg"`` is an NCCL sum, which the backend then divides by the world size (NCCL's own ``ncclAvg`` pre-multiplies each
 rank's value by 1/W: other bits than the host backends' sum-then-divide).
 """
@@ -58,7 +59,8 @@ if bfloat16_supported():
     import ml_dtypes
 
     NCCL_TYPES[np.dtype(ml_dtypes.bfloat16)] = nccl.NCCL_BFLOAT16
-_OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
+_OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN,
+        "product": nccl.NCCL_PROD}
 
 
 def nccl_dtype(array: Any) -> int:
@@ -78,4 +80,4 @@ def nccl_dtype(array: Any) -> int:
 def nccl_op(array: Any, op: str) -> int:
     """The NCCL reduction of ``op`` (of :data:`~distopt.comm.base.REDUCE_OPS`) on ``array``'s dtype (bool: MAX for OR,
     MIN for AND)."""
-    return {"sum": nccl.NCCL_MAX}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]
+    return {"sum": nccl.NCCL_MAX, "product": nccl.NCCL_MIN}.get(op, _OPS[op]) if array.dtype == np.bool_ else _OPS[op]

@@ -13,8 +13,8 @@ import numpy as np
 
 __all__ = ["reduce_in_rank_order", "accumulator_dtype"]
 
-_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
-_BOOL_UFUNCS = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and}
+_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "product": np.multiply}
+_BOOL_UFUNCS = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and, "product": np.logical_and}
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,7 +34,8 @@ def reduce_in_rank_order(rows: Sequence[np.ndarray], op: str, acc: np.ndarray) -
     Args:
         rows: at least one array per rank, in rank order, each of ``acc``'s shape (elements), of ``acc.dtype`` or one
             that widens exactly to it (float16/bfloat16 to float32); ``acc`` may be ``rows[0]`` or ``rows[1]``.
-        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``; booleans combine as OR (sum, max) and AND (min). ``"avg"``
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"``; booleans combine as OR (sum, max) and AND
+            (min, product). ``"avg"``
             combines as ``"sum"``: the division by the number of ranks is the caller's, since backends differ in whether
             they divide before or after rounding a float32 accumulator to 16 bits (each as its large path does).
         acc: the result, written in place; see :func:`accumulator_dtype` for the dtype to accumulate in.
@@ -43,7 +44,7 @@ def reduce_in_rank_order(rows: Sequence[np.ndarray], op: str, acc: np.ndarray) -
         ``acc``.
 
     Raises:
-        KeyError: ``op`` is not one of the four (callers validate it first with
+        KeyError: ``op`` is not one of the five (callers validate it first with
             :func:`~distopt.comm.base.check_reduce_args`).
     """
     dtype = acc.dtype

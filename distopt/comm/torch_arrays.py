@@ -3,8 +3,8 @@ reduces its dtype, and the way back.
 
 NumPy arrays become CPU tensors that share their memory (``torch.from_numpy``, no copy; bfloat16 from ``ml_dtypes``
 through a 16-bit view), CuPy arrays CUDA tensors through DLPack, torch tensors stay as they are; results go back to the
-caller's array type. gloo reduces the dtypes of :data:`REDUCIBLE` (bool: MAX for logical OR, MIN for AND; ``"avg"`` is a
-sum the backend then divides) and moves any other dtype as its bytes (:func:`movable`).
+caller's array type. gloo reduces the dtypes of :data:`REDUCIBLE` (bool: MAX for logical OR, MIN for AND: ``"min"``,
+``"product"``; ``"avg"`` is a sum the backend then divides) and moves any other dtype as its bytes (:func:`movable`).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ __all__ = ["FlatTensor", "descriptor_code", "REDUCIBLE", "torch_op", "movable"]
 #: The dtypes gloo reduces.
 REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                        torch.int32, torch.int64, torch.bool})
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+_BOOL_OPS = {"sum": dist.ReduceOp.MAX, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.MIN}
 
 
 try:

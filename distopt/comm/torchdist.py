@@ -44,6 +44,7 @@ from .rank_order import reduce_in_rank_order
 from .torch_arrays import REDUCIBLE, FlatTensor, descriptor_code as _code, movable, torch_op
 from .torch_join import join
 from .torch_shards import TorchShardHandle, TorchShards, _all_gather_single as _gather_flat
+from .torch_uneven import TorchUneven
 from .torch_where import StoreWhere, post_after
 from .torch_exit import wait_for_workers_at_exit
 from .wait import resolve_timeout
@@ -72,7 +73,7 @@ class TorchHandle(TorchShardHandle):
         super().__init__(comm, work, t, finish, f"all_reduce_async of {t.flat.numel()} elements")
 
 
-class TorchCommunicator(TorchShards, CommunicatorState):
+class TorchCommunicator(TorchShards, TorchUneven, CommunicatorState):
     """Collectives over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
     Args:

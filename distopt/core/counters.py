@@ -43,6 +43,11 @@ class Counters(Mapping):
         gathered_bytes_peak: BYTES, at most, of full parameters gathered at one time since the previous step
             (``zero=3``; 0 otherwise).
         gathered_bytes: BYTES of full parameters gathered (or being gathered) now (``zero=3``; 0 otherwise).
+        step_gather_bytes: BYTES of ``gather_bytes`` added between the end of the previous applied step and the end
+            of the last one: what one step gathers (``zero=3``: its forward and backward; ``zero=1|2``: the update's
+            all-gather), in the dtype gathered (``param_dtype`` with mixed precision: half of float32's for bfloat16).
+        step_wire_bytes: BYTES of ``wire_bytes`` added over the same span: what one step hands to the gradients'
+            reductions, in the dtype reduced (``reduce_dtype`` with mixed precision).
     """
 
     steps: int = 0
@@ -59,6 +64,9 @@ class Counters(Mapping):
     parameter_bytes: int = 0
     gathered_bytes_peak: int = 0
     gathered_bytes: int = 0
+    step_gather_bytes: int = 0
+    step_wire_bytes: int = 0
+    _marks: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)  # the totals at the last step's end
     _reported: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, name: str, n: int) -> None:
@@ -70,6 +78,12 @@ class Counters(Mapping):
         if name in self._own():
             raise ValueError(f"{name!r} is a step counter of its own (an attribute), not a strategy's count")
         self._reported[name] = self._reported.get(name, 0) + int(n)
+
+    def step_done(self) -> None:
+        """At the end of an applied step: set ``step_gather_bytes`` and ``step_wire_bytes`` from the totals."""
+        self.step_gather_bytes = self.gather_bytes - self._marks[0]
+        self.step_wire_bytes = self.wire_bytes - self._marks[1]
+        self._marks = (self.gather_bytes, self.wire_bytes)
 
     def declare(self, names: Iterable[str]) -> None:
         """Make the strategy-reported counts ``names`` read 0 until first reported (e.g. ``Strategy.counter_names``)."""
@@ -101,4 +115,5 @@ class Counters(Mapping):
         """Restore :meth:`state_dict` output: missing attributes start at 0; any other name is a reported count."""
         for name in self._own():
             setattr(self, name, (float if name == "wait_seconds" else int)(state.get(name, 0)))
+        self._marks = (self.gather_bytes, self.wire_bytes)
         self._reported = {name: int(value) for name, value in state.items() if name not in self._own()}

@@ -120,6 +120,7 @@ class StepRunner:
                                                 self.counters, self.local.momentum_arrays,
                                                 self.engine.average_arrays))
             self.counters.dense_bytes += sum(int(p.nbytes) for p in floats)
+        self.counters.step_done()
 
     def _memory(self) -> None:
         """``optimizer_state_bytes``, ``parameter_bytes`` and ``gradient_bytes`` as of now."""

@@ -28,6 +28,7 @@ class Example:
         local_momentum: the momentum factor the example's local optimizer may use (0 for a strategy that keeps the
             momentum itself, DGC).
         requires: modules the example needs (e.g. ``("ml_dtypes",)`` for bfloat16 on NumPy arrays).
+        worlds: the world sizes the strategy runs at (None: any); tests at other sizes skip it.
     """
 
     id: str
@@ -36,6 +37,7 @@ class Example:
     mismatch: Mapping[str, Any] | None = None
     local_momentum: float = 0.9
     requires: tuple[str, ...] = ()
+    worlds: tuple[int, ...] | None = None
 
     def build(self) -> Strategy:
         """A new strategy object of this configuration: ``cls(**kwargs)``."""
@@ -72,7 +74,7 @@ _BY_NAME = {"dense": "Dense()", "allreduce": "Dense()", "half": 'Half(wire="floa
             "float16": 'Half(wire="float16")', "bf16": 'Half(wire="bfloat16")', "bfloat16": 'Half(wire="bfloat16")',
             "topk": 'Sparse(select="topk", density=0.01)', "sparse": 'Sparse(select="topk", density=0.01)',
             "threshold": 'Sparse(select="threshold", density=...)', "partial": "Partial()", "dgc": "DGC()",
-            "powersgd": "PowerSGD()"}
+            "powersgd": "PowerSGD()", "adasum": "Adasum()"}
 
 
 def strategy_error(value: Any) -> TypeError:

@@ -53,8 +53,8 @@ def as_array(tensor: Any) -> Any:
     """
     if tensor.is_sparse:
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is sparse; array views and collectives take dense "
-                        "tensors: pass tensor.to_dense() (a torch.optim.Optimizer's sparse gradients, e.g. from "
-                        "nn.Embedding(sparse=True), are averaged by loss.backward() without this)")
+                        "tensors: pass tensor.to_dense(), or use sparse_all_reduce (a torch.optim.Optimizer's sparse "
+                        "gradients, e.g. from nn.Embedding(sparse=True), are averaged by loss.backward() without this)")
     if not tensor.is_contiguous():
         raise TypeError(f"tensor of shape {tuple(tensor.shape)} is not contiguous; distopt needs "
                         "contiguous parameters and gradients")
@@ -169,6 +169,7 @@ class TorchOptimizer(LocalOptimizer):
         self.handles: list[Any] = []
         self.real_groups: list[list[Any]] | None = None  # the groups' own lists while a sharded step swapped them
         self.held_param_bytes: Callable[[], int] = lambda: 0  # parameter memory held elsewhere (stage 3)
+        self.deferred: set[int] = set()  # ids of a meta-built model's tensors that stage 3 materializes at bind
 
     def params(self) -> list[Any]:
         """The optimizer's parameters, group by group, in a fixed order (its own, also while a sharded optimizer's

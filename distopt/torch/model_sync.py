@@ -1,7 +1,7 @@
 """Model-aware synchronization: a module's parameters and buffers, by name, from one rank (:class:`ModelSync`)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -49,10 +49,11 @@ def average_arrays(comm: Communicator, arrays: Sequence[Any]) -> None:
     broadcast_arrays(comm, [a for a in arrays if not is_float(a)], 0)
 
 
-def named_state(model: Any, buffers: bool = True) -> tuple[list[str], list[Any]]:
-    """``(names, arrays)``: every parameter of ``model`` (frozen ones too), then its buffers if asked. Arrays are
-    views: writing them changes the model. Tied parameters appear once."""
+def named_state(model: Any, buffers: bool = True, skip: Container[int] = ()) -> tuple[list[str], list[Any]]:
+    """``(names, arrays)``: every parameter of ``model`` (frozen ones too), then its buffers if asked, but those whose
+    ``id`` is in ``skip``. Arrays are views: writing them changes the model. Tied parameters appear once."""
     named = list(model.named_parameters()) + (list(model.named_buffers()) if buffers else [])
+    named = [(n, t) for n, t in named if id(t) not in skip]
     return [n for n, _ in named], [as_array(t) for _, t in named]
 
 
@@ -136,7 +137,7 @@ class ModelSync:
         if model is None:
             engine.broadcast_params(local.arrays(), settings)
             return
-        names, arrays = named_state(model)
+        names, arrays = named_state(model, skip=local.deferred)  # meta-built: checked and broadcast by zero=3
         check_names(comm, names, "model parameter or buffer")
         check_names(comm, parameter_names(model, local.params()), "optimizer parameter")
         engine.broadcast_params(arrays, settings, names)

@@ -44,9 +44,11 @@ WORLDS = pytest.mark.parametrize("world", [1, 2, 3])
 EVERY_EXAMPLE = pytest.mark.parametrize("example", EXAMPLES)
 
 
-def _needs(example: Example) -> None:
+def _needs(example: Example, world: int) -> None:
     for module in example.requires:
         pytest.importorskip(module)
+    if example.worlds is not None and world not in example.worlds:
+        pytest.skip(f"{example.id} runs at world sizes {example.worlds}")
 
 
 def _opt(comm: Any, example: Example, strategy: Any = None, **kwargs: Any) -> DistOpt:
@@ -89,7 +91,7 @@ def _counts(opt: DistOpt) -> dict[str, float]:
 @WORLDS
 @EVERY_EXAMPLE
 def test_replicas_bitwise_identical_after_every_step(example, world):
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example)
@@ -117,7 +119,7 @@ def test_replicas_bitwise_identical_after_every_step(example, world):
 @WORLDS
 @EVERY_EXAMPLE
 def test_state_round_trip_gives_a_bitwise_identical_next_step(example, world):
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example)
@@ -144,7 +146,7 @@ def test_state_round_trip_gives_a_bitwise_identical_next_step(example, world):
 @EVERY_EXAMPLE
 def test_layout_change_keeps_rank0s_value(example, world):
     """A parameter added, then one resized and one removed between steps: the new ones take rank 0's value."""
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example)
@@ -174,7 +176,7 @@ def test_layout_change_keeps_rank0s_value(example, world):
 def test_join_is_accepted_or_refused_as_declared(example, world):
     """Rank r steps ``world - r`` times inside join(): with ``supports_join`` the ranks that finished early
     shadow the others and all end identical; without it, every rank raises ValueError (at W=1 too)."""
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example)
@@ -204,7 +206,7 @@ def test_join_is_accepted_or_refused_as_declared(example, world):
 @EVERY_EXAMPLE
 def test_skipped_step_leaves_the_state_untouched(example, world):
     """The last rank's gradient is NaN: check_finite skips the step on every rank, and nothing changes."""
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example, check_finite=True)
@@ -228,7 +230,7 @@ def test_skipped_step_leaves_the_state_untouched(example, world):
 @WORLDS
 @EVERY_EXAMPLE
 def test_one_control_collective_per_step_in_steady_state(example, world):
-    _needs(example)
+    _needs(example, world)
 
     def rank_fn(rank, comm):
         opt = _opt(comm, example)
@@ -249,7 +251,7 @@ def test_one_control_collective_per_step_in_steady_state(example, world):
 @EVERY_EXAMPLE
 def test_settings_mismatch_raises_on_every_rank(example, world):
     """Rank 1 builds the example's ``mismatch`` configuration; a strategy without settings has none."""
-    _needs(example)
+    _needs(example, world)
     if example.mismatch is None:
         assert example.build().settings() == {}, "a strategy with settings needs a mismatch example"
         return

@@ -333,10 +333,11 @@ def expected_dtypes(world: int) -> list[Any]:
     return out
 
 
-def _registered() -> list[str]:
+def _registered(size: int) -> list[str]:
+    """The registered strategy examples that run at world size ``size``."""
     from distopt.strategies import REGISTRY
 
-    return sorted(REGISTRY)
+    return sorted(k for k, e in REGISTRY.items() if e.worlds is None or size in e.worlds)
 
 
 def case_every_item(rank: int, comm: Any, path: str) -> dict[str, Any]:
@@ -351,7 +352,7 @@ def case_every_item(rank: int, comm: Any, path: str) -> dict[str, Any]:
                               for how in ("no_sync", "passes")},
         "state_dict": case_state_dict(rank, comm),
         "lbfgs": {search: case_lbfgs(rank, comm, search) for search in (None, "strong_wolfe")},
-        "strategy_dtypes": {(e, d): case_strategy_dtype(rank, comm, e, d) for e in _registered()
+        "strategy_dtypes": {(e, d): case_strategy_dtype(rank, comm, e, d) for e in _registered(comm.size)
                             for d in ("bfloat16", "float16")},
         "lr_mismatch": case_lr_mismatch(rank, comm),
         "broadcast_state": case_broadcast_state(rank, comm),

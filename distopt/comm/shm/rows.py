@@ -56,8 +56,8 @@ _SLOTS = 16  # int64 slots per row: 128 bytes, two cache lines
 _JOINED, _CLOSED = 1, 2
 
 _KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter", "all_gather_into",
-          "all_to_all")
-_SHARDED = ("reduce_scatter", "all_gather_into")  # their arg: op index + 8 * CRC-32 of the counts
+          "all_to_all", "all_to_all_v")
+_SHARDED = ("reduce_scatter", "all_gather_into", "all_to_all_v")  # their arg: op index + 8 * CRC-32 of the counts
 
 #: The dtypes the shm backend moves, by descriptor code; code ``BFLOAT16`` is ml_dtypes' bfloat16 (NumPy has
 #: none), looked up by name so that importing the backend does not import ml_dtypes (about 1 s of CPU).

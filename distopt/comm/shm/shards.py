@@ -1,4 +1,4 @@
-"""The shm backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all.
+"""The shm backend's sharded collectives: reduce-scatter, in-place all-gather, all-to-all (even and uneven).
 
 :class:`ShmShards` is a mixin of :class:`~distopt.comm.shm.communicator.ShmCommunicator`; each collective is one
 arrive/check/finish round on the control rows (:mod:`~distopt.comm.shm.rows`), so it waits for its peers once:
@@ -9,6 +9,7 @@ arrive/check/finish round on the control rows (:mod:`~distopt.comm.shm.rows`), s
 * ``all_gather_into``: every rank publishes its own segment, then copies the others' into ``array``.
 * ``all_to_all``: every rank publishes its array except row ``rank``, then copies row ``rank`` of every peer's into a
   new array.
+* ``all_to_all_v``: the same with per-rank segments of ``matrix[i][j]`` elements (:mod:`distopt.comm.uneven`).
 
 The descriptors carry the element count, dtype, op and a CRC-32 of the counts, so ranks that differ raise
 :class:`~distopt.errors.CollectiveMismatchError` on every rank before any data moves.
@@ -23,6 +24,7 @@ import numpy as np
 from ..base import REDUCE_OPS, check_counts, check_reduce_args, check_rows, counts_digest
 from ..lifecycle import collective
 from ..staging import staged
+from ..uneven import check_matrix, received
 from .rows import dtype_code
 
 if TYPE_CHECKING:
@@ -133,5 +135,43 @@ class ShmShards:
         rows = out.reshape(-1).view(np.uint8).reshape(self.size, row)
         for p in range(self.size if row else 0):
             rows[p] = flat[me * row:(me + 1) * row] if p == me else self._ctl.published(p)[me * row:(me + 1) * row]
+        self._ctl.finish(c)
+        return out
+
+    @staged
+    @collective
+    def all_to_all_v(self, array: np.ndarray, matrix: Sequence[Sequence[int]]) -> np.ndarray:
+        """Uneven all-to-all: ``matrix[i][j]`` ELEMENTS from rank i to rank j; see :mod:`distopt.comm.uneven`.
+
+        Every rank publishes its array except its own segment, then copies its segment of every peer's.
+
+        Returns:
+            A new 1-D array of ``sum(matrix[i][rank] for i)`` elements, rank i's segment after rank i-1's.
+
+        Raises:
+            ValueError: ``array`` not 1-D, a bad matrix (:func:`~distopt.comm.uneven.check_matrix`).
+            TypeError: not a NumPy array, non-contiguous, unsupported dtype.
+            CollectiveMismatchError: the matrices (compared as a CRC-32) or dtypes differ, on every rank.
+            CollectiveTimeoutError: as for :meth:`reduce_scatter`.
+        """
+        require_ndarray(array)
+        rows = check_matrix(array, matrix, self.rank, self.size)
+        code, me, item = dtype_code(array.dtype), self.rank, array.itemsize
+        gets = received(rows, me)
+        out = np.empty(sum(gets), array.dtype)
+        if self.size == 1:
+            out[...] = array
+            return out
+        flat = [n for row in rows for n in row]
+        lo = sum(rows[me][:me])
+        c, _, _ = self._ctl.arrive("all_to_all_v", sum(flat), code, 8 * counts_digest(flat), array.view(np.uint8),
+                                   (lo * item, (lo + rows[me][me]) * item))
+        into = 0
+        for p in range(self.size):
+            start, count = sum(rows[p][:me]), gets[p]
+            if count:
+                src = array[lo:lo + count] if p == me else self._ctl.published(p)[start * item:(start + count) * item]
+                out[into:into + count] = src if p == me else src.view(array.dtype)
+            into += count
         self._ctl.finish(c)
         return out

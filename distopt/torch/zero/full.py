@@ -8,14 +8,17 @@ changed, a parameter group added, another strategy's threshold) raises.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ...sharding.plan import ShardPlan, plan_shards
+from ...sharding.sync import ShardedStep
 from ...step.outcome import Outcome
 from ...step.pipeline import BucketPipeline
-from ..adapter import TorchOptimizer
+from ..adapter import TorchOptimizer, as_array
 from .hooks import ModuleHooks
+from .materialize import MetaBuild
 from .params import ParamShards
+from .precision import MixedPrecision
 from .step import ShardedTorchStep
 
 __all__ = ["FullyShardedTorchStep"]
@@ -28,6 +31,15 @@ def _changed() -> RuntimeError:
                         "use zero=2")
 
 
+def _to_masters(step: ShardedStep, segments: Sequence[Any]) -> None:
+    """Mixed precision: each reduced segment (``reduce_dtype``) cast to the dtype of the segments it updates (the
+    masters'), as FSDP2 casts the reduce-scatter's output to the parameters' dtype; a no-op where they agree."""
+    for run in step.runs:
+        dtype = as_array(segments[run.index][:0]).dtype
+        if run.segment is not None and run.segment.dtype != dtype:
+            run.segment = run.segment.astype(dtype)
+
+
 class FullyShardedTorchStep(ShardedTorchStep):
     """Stage 3's sink: stage 2's reduction and shard update over :class:`ParamShards`' segments.
 
@@ -38,26 +50,38 @@ class FullyShardedTorchStep(ShardedTorchStep):
         counters: the step counters.
         reshard_after_forward: free each bucket after the forward that used it (see
             :class:`~distopt.torch.zero.hooks.ModuleHooks`).
+        init: for a model built on the meta device, ``init(module)`` instead of ``module.reset_parameters()``
+            (:mod:`~distopt.torch.zero.materialize`).
+        precision: the mixed-precision policy (:mod:`~distopt.torch.zero.precision`), or None.
     """
 
     def __init__(self, comm: Any, local: TorchOptimizer, model: Any, counters: Any,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, init: Callable[[Any], Any] | None = None,
+                 precision: MixedPrecision | None = None) -> None:
         super().__init__(comm, local, 3, overlap_param_gather=False)
-        self.model, self.store, self.reshard = model, ParamShards(comm, counters), reshard_after_forward
+        self.model, self.reshard, self.precision = model, reshard_after_forward, precision
+        self.store = ParamShards(comm, counters, precision)
+        self.meta = MetaBuild.find(model, local, init)  # before any hook holds the parameters
         self.hooks: ModuleHooks | None = None
         self._checked: int | None = None
 
     def bind(self, follower: Any) -> None:
-        """Shard the parameters in the layout the follower's steps will use, and hook the model."""
+        """Shard the parameters in the layout the follower's steps will use (materializing a meta-built model module
+        by module), and hook the model."""
         super().bind(follower)
         tensors, buckets = follower.planned()
         engine = follower.runner.engine
-        self.store.shard(tensors, buckets, plan_shards(buckets, self.comm.rank, self.comm.size), engine.context,
-                         engine.launch)
+        plan = plan_shards(buckets, self.comm.rank, self.comm.size)
+        meta, self.meta = self.meta, None
+        segments = None if meta is None else meta.materialize(tensors, buckets, plan, self.comm)
+        self.store.shard(tensors, buckets, plan, engine.context, engine.launch, segments)
         engine.known(self.arrays(tensors))
         engine.frame_names = self.store.module_names  # the step header meets the gathers' checks
         self.hooks = ModuleHooks(self.store, self.reshard)
         self.local.handles.extend(self.hooks.hook(self.model))
+        if self.precision is not None and self.precision.param_dtype is not None:
+            self.local.handles.append(self.model.register_forward_pre_hook(self.precision.cast_inputs,
+                                                                           with_kwargs=True))
         self.local.held_param_bytes = self.store.held_bytes
 
     def arrays(self, tensors: Sequence[Any]) -> list[Any]:
@@ -104,6 +128,8 @@ class FullyShardedTorchStep(ShardedTorchStep):
                 raise _changed()
             self._checked = id(plan)
         self.store.free_all()
+        if self.precision is not None and isinstance(pipeline.sync, ShardedStep):
+            _to_masters(pipeline.sync, self.store.segments)
         super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
 
     def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)
@@ -120,6 +146,17 @@ class FullyShardedTorchStep(ShardedTorchStep):
         super().end_of_backward()
         if self.hooks is not None:
             self.hooks.end_of_backward()
+
+    @contextmanager
+    def unswapped(self) -> Iterator[None]:
+        """Stage 2's :meth:`~distopt.torch.zero.step.ShardedTorchStep.unswapped`; with mixed precision the parameters
+        also have the segments' dtype inside (torch's ``Optimizer.load_state_dict`` casts the state to it)."""
+        with super().unswapped():
+            self.store.use_masters(True)
+            try:
+                yield
+            finally:
+                self.store.use_masters(False)
 
     @contextmanager
     def full_parameters(self, writeback: bool, modifier_rank: int | None, comm: Any,  # noqa: ARG002

@@ -14,6 +14,8 @@ post-forward and pre- and post-backward hooks (Zhao et al., VLDB 2023); the user
   prefetches the one before it; a bucket is freed once each of its parameters has its gradient. A re-computation
   during backward (activation checkpointing) gathers without freeing;
 * ``state_dict()`` gathers everything and returns copies; ``load_state_dict()`` writes what it loads into the segments.
+  With mixed precision (:mod:`~distopt.torch.zero.precision`) these and ``summon_full_params`` gather the segments'
+  own dtype, forward and backward ``param_dtype``.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class ModuleHooks:
         if self._stack:
             raise RuntimeError("summon_full_params() inside a forward pass of the model: call it between steps")
         check_modifier_rank(modifier_rank, self.store.comm.size)
+        self.store.use_masters(True)  # mixed precision: the segments' dtype, not param_dtype
         self.store.gather_all()
         flats = self.store.gathered_flats()
         before = digest(flats) if writeback and modifier_rank is None else 0
@@ -83,6 +86,7 @@ class ModuleHooks:
                 self.store.write_back()
         finally:
             self.store.free_all()
+            self.store.use_masters(False)
 
     def hook(self, model: Any) -> list[Any]:
         """Forward pre- and post-hooks on every module of ``model`` holding a parameter of the layout,
@@ -213,6 +217,7 @@ class ModuleHooks:
 
     def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:  # noqa: ARG002
         if self._depth == 0:
+            self.store.use_masters(True)
             self.store.gather_all()
         self._depth += 1
 
@@ -225,6 +230,7 @@ class ModuleHooks:
             if hasattr(value, "untyped_storage") and value.untyped_storage().data_ptr() in storages:
                 state_dict[key] = value.detach().clone()
         self.store.free_all()
+        self.store.use_masters(False)
 
     def _before_load(self, module: Any, *args: Any) -> None:  # noqa: ARG002
         self._before_state_dict(module, "", False)
@@ -234,3 +240,4 @@ class ModuleHooks:
         if self._depth == 0:
             self.store.write_back()
             self.store.free_all()
+            self.store.use_masters(False)

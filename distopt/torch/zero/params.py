@@ -23,6 +23,7 @@ from ...core.buckets import Bucket
 from ...sharding import frame
 from ...sharding.plan import ShardPlan
 from ..adapter import as_array
+from .precision import MixedPrecision
 
 __all__ = ["ParamShards", "Gathered", "raw_array"]
 
@@ -91,6 +92,8 @@ class ParamShards:
     Args:
         comm: the communicator (its rank; the gathers go through the engine's launcher, :meth:`shard`).
         counters: the step counters (``gather_bytes``, ``gathered_bytes_peak``).
+        precision: the mixed-precision policy (:mod:`~distopt.torch.zero.precision`): the segments keep the
+            parameters' dtype, forward and backward gather ``param_dtype``; None: the parameters' dtype throughout.
 
     Attributes:
         tensors: the layout's parameters, in the step's order.
@@ -99,10 +102,11 @@ class ParamShards:
         plan: the layout's :class:`~distopt.sharding.plan.ShardPlan`.
         bucket_of: ``id(parameter)`` -> its bucket.
         names: the model's module names by position (``model.named_modules()`` order), for errors.
+        masters: the buckets gather in the segments' dtype now, not ``param_dtype`` (:meth:`use_masters`).
     """
 
-    def __init__(self, comm: Any, counters: Any) -> None:
-        self.comm, self.counters = comm, counters
+    def __init__(self, comm: Any, counters: Any, precision: MixedPrecision | None = None) -> None:
+        self.comm, self.counters, self.precision = comm, counters, precision
         self.tensors: list[Any] = []
         self.buckets: list[Bucket] = []
         self.plan: ShardPlan | None = None
@@ -121,11 +125,15 @@ class ParamShards:
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = self._peak = 0  # BYTES gathered now, and the most at one time since the last step
         self._announced: tuple[Any, int, list[int]] | None = None  # (check in flight, phase, buckets)
+        self._modes: dict[bool, tuple[list[Any], ...]] = {}  # masters? -> (flats, views, at rest), mixed precision
+        self.masters, self._spans = False, 0  # the flats gathered now are the masters' dtype; use_masters' nesting
+        self._np: dict[Any, Any] = {}  # torch dtype -> the NumPy/CuPy dtype of a flat buffer's array
 
     # ------------------------------------------------------------ segments
     def shard(self, tensors: Sequence[Any], buckets: Sequence[Bucket], plan: ShardPlan,
-              context: Callable[[str], Any], launch: Any) -> None:
-        """Keep this rank's segment of every bucket of ``tensors`` (identical on every rank) and free them.
+              context: Callable[[str], Any], launch: Any, segments: Sequence[Any] | None = None) -> None:
+        """Keep this rank's segment of every bucket of ``tensors`` (identical on every rank) and free them, one
+        bucket at a time.
 
         Args:
             tensors: the layout's parameters, in the step's order.
@@ -134,29 +142,74 @@ class ParamShards:
             context: wraps collective errors with the step and the bucket.
             launch: the engine's :class:`~distopt.comm.launcher.Launcher`: the gathers and checks go in order with the
                 step's reductions (on its worker thread where the backend has no asynchronous collectives).
+            segments: this rank's segments, already made (a meta-built model's,
+                :mod:`~distopt.torch.zero.materialize`); None: copied from ``tensors``.
         """
         self.tensors, self.buckets, self.plan = list(tensors), list(buckets), plan
         self._context, self._launch = context, launch
         self.shapes = {id(t): tuple(t.shape) for t in self.tensors}
+        if self.precision is not None and len({t.dtype for t in self.tensors}) > 1:
+            raise ValueError("param_dtype=/reduce_dtype= need every trained parameter in one dtype (the masters'), "
+                             f"as FSDP2 does; these have {sorted({str(t.dtype) for t in self.tensors})}")
+        self._empty = [torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape) for t in self.tensors]
+        self._np = {d: as_array(torch.empty(0, dtype=d)).dtype for d in {t.dtype for t in self.tensors}}
+        master = self.tensors[0].dtype if self.tensors else None
+        self._kinds = [type(t) for t in self.tensors]
         rank = self.comm.rank
         for b, bucket in enumerate(self.buckets):
             first = self.tensors[bucket.slots[0].index]
             flat = torch.empty(bucket.size, dtype=first.dtype, device=first.device)
             with torch.no_grad():
                 for s in bucket.slots:
-                    flat[s.offset:s.offset + s.size].copy_(self.tensors[s.index].detach().reshape(-1))
+                    if segments is None:
+                        flat[s.offset:s.offset + s.size].copy_(self.tensors[s.index].detach().reshape(-1))
                     self.bucket_of[id(self.tensors[s.index])] = b
             lo = plan.lows[b]
-            self.segments.append(flat[lo:lo + plan.counts[b][rank]].clone())
+            self.segments.append(flat[lo:lo + plan.counts[b][rank]].clone() if segments is None else segments[b])
             self._flats.append(flat)
             self._state.append(Gathered.FULL)
             self._gathered += flat.nbytes
             self._full.append(_slot_views(flat, bucket))
             self._views(b)
-        self._empty = [torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape) for t in self.tensors]
-        self._kinds = [type(t) for t in self.tensors]
+            self.free(b)
         self._segment_arrays = [as_array(seg) for seg in self.segments]
+        self._mixed(master)
+
+    def _mixed(self, master: Any) -> None:
+        """With a ``param_dtype`` other than the segments' dtype ``master``: a second flat buffer per bucket, in
+        ``param_dtype`` (freed), and its views, for forward and backward; the first serves :meth:`use_masters`."""
+        dtype = None if self.precision is None or master is None else self.precision.compute(master)
+        if dtype is None or dtype == master:
+            return
+        flats, views = [], []
+        for bucket, full in zip(self.buckets, self._flats):
+            flat = torch.empty(bucket.size, dtype=dtype, device=full.device)
+            views.append(_slot_views(flat, bucket))
+            flat.untyped_storage().resize_(0)
+            flats.append(flat)
+        # at rest a parameter has the gathered dtype: autograd keeps one gradient accumulator per parameter only while
+        # its dtype does not change (a tied weight freed between two uses would get two)
+        empty = [torch.zeros((), dtype=dtype, device=t.device).expand(t.shape) for t in self.tensors]
+        self._modes = {True: (self._flats, self._full, self._empty), False: (flats, views, empty)}
+        self._np[dtype] = as_array(torch.empty(0, dtype=dtype)).dtype
+        self.masters = True
+        self._switch(False)
+
+    def use_masters(self, masters: bool) -> None:
+        """Enter (True) or leave (False) a span (they nest) in which the buckets gather the segments' dtype (state
+        dicts, ``summon_full_params``: writes go to the segments), not ``param_dtype``; a change frees every bucket, and
+        the parameters at rest take the dtype too; nothing changes without a ``param_dtype`` unlike the segments'."""
+        self._spans = max(0, self._spans + (1 if masters else -1))
+        self._switch(self._spans > 0)
+
+    def _switch(self, masters: bool) -> None:
+        if not self._modes or masters == self.masters:
+            return
         self.free_all()
+        self._flats, self._full, self._empty = self._modes[masters]
+        self.masters = masters
+        for t, empty in zip(self.tensors, self._empty):
+            t.data = empty
 
     def step_done(self) -> None:
         """At the end of a step: verify a gather still announced (without starting it), free everything and report
@@ -178,9 +231,9 @@ class ParamShards:
             return
         flat = self._flats[b]
         flat.untyped_storage().resize_(flat.nbytes)
-        array = raw_array(flat, self._segment_arrays[b].dtype)
+        array = raw_array(flat, self._np[flat.dtype])
         lo, counts = self.plan.lows[b], self.plan.counts[b]  # type: ignore[union-attr]
-        array[lo:lo + counts[self.comm.rank]] = self._segment_arrays[b]
+        array[lo:lo + counts[self.comm.rank]] = self._segment_arrays[b]  # cast to param_dtype (mixed precision)
         with self._context(self._where(b)):  # type: ignore[misc]
             self._pending[b] = self._launch.gather(array, counts)
         self._state[b] = Gathered.PENDING
@@ -320,7 +373,8 @@ class ParamShards:
                     self.segments[b].copy_(flat.detach()[lo:lo + self.plan.counts[b][rank]])  # type: ignore[union-attr]
 
     def stand_in(self, tensor: Any) -> Any:
-        """A read-only array of ``tensor``'s full shape and dtype holding one element (the engine lays the buckets
-        out by shapes and dtypes)."""
-        one = as_array(torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+        """A read-only array of ``tensor``'s full shape holding one element, of its dtype or, with mixed precision,
+        the dtype its gradient is reduced in (the engine lays the buckets out by shapes and dtypes)."""
+        dtype = tensor.dtype if self.precision is None else self.precision.reduce(tensor.dtype)
+        one = as_array(torch.zeros((), dtype=dtype, device=tensor.device))
         return xp_of(one).broadcast_to(one, self.shapes.get(id(tensor), tuple(tensor.shape)))

@@ -9,9 +9,10 @@ from ...sharding.shard_state import ShardStream, check_shards, consolidate
 from ..adapter import TorchOptimizer
 from ..sink import GradientSink
 from .placeholder import check_elementwise
+from .precision import MixedPrecision, mixed_precision
 from .step import ShardedTorchStep
 
-__all__ = ["ShardedState", "torch_sharding"]
+__all__ = ["ShardedState", "torch_sharding", "stage_options"]
 
 
 class ShardedState:
@@ -206,17 +207,25 @@ class ShardedState:
 
 
 def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_gather: bool, model: Any,
-                   bucket_view: bool, counters: Any, reshard_after_forward: bool = True
+                   bucket_view: bool, counters: Any, reshard_after_forward: bool = True,
+                   init: Callable[[Any], Any] | None = None, precision: Any = None
                    ) -> tuple[GradientSink, ShardedState | None]:
     """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
-    state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state).
+    state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state). At ``zero=3`` a model
+    built on the meta device is taken here (:mod:`~distopt.torch.zero.materialize`; ``init``: its modules'
+    initialization instead of ``reset_parameters()``); ``precision``: ``zero=3``'s mixed-precision policy
+    (:mod:`~distopt.torch.zero.precision`), or None.
 
     Raises:
         ValueError: the optimizer is not elementwise (:func:`check_elementwise`);
             ``zero=2|3`` with ``gradient_as_bucket_view`` (whose buckets keep
             the whole gradient); ``overlap_param_gather`` or ``zero=3``
-            without ``model=``.
+            without ``model=``; a meta-built model or ``init`` below ``zero=3``.
     """
+    if zero != 3:
+        from .materialize import refuse_meta
+
+        refuse_meta(model, local, zero, init)
     if not zero:
         return GradientSink(), None
     check_elementwise(local.optimizer, zero)
@@ -232,7 +241,8 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     if zero == 3:
         from .full import FullyShardedTorchStep
 
-        shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters, reshard_after_forward)
+        shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters, reshard_after_forward, init,
+                                                         precision)
     else:
         shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather and zero < 3:
@@ -240,3 +250,18 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     state = ShardedState(shards, comm, lambda: counters.steps)
     state.adopt_existing()
     return shards, state
+
+
+def stage_options(zero: int, reshard_after_forward: bool, param_dtype: Any, reduce_dtype: Any,
+                  local: Any) -> MixedPrecision | None:
+    """Check DistOpt's options that only ``zero=3`` takes against the stage (before any communicator is made);
+    returns the mixed-precision policy of ``param_dtype`` and ``reduce_dtype`` (:func:`mixed_precision`).
+
+    Raises:
+        ValueError: ``reshard_after_forward=False`` below ``zero=3``; as :func:`mixed_precision`.
+        TypeError: as :func:`mixed_precision` (``local`` is not a :class:`~distopt.torch.adapter.TorchOptimizer`).
+    """
+    if not reshard_after_forward and zero != 3:
+        raise ValueError(f"reshard_after_forward=False keeps zero=3's gathered parameters from forward to "
+                         f"backward; with zero={zero} the parameters are never freed: drop it, or use zero=3")
+    return mixed_precision(param_dtype, reduce_dtype, zero, isinstance(local, TorchOptimizer))

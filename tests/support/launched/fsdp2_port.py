@@ -23,8 +23,16 @@ Unlike the example, ``Transformer.reset_parameters`` also resets its layers
 (the example's leaves them as ``to_empty`` left them: uninitialised memory,
 so its runs differ from each other).
 
+``--mixed-precision`` is the example's option of that name: its
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+became ``DistOpt(..., param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
+``--fsdp2`` runs the example on torch's own ``fully_shard`` instead (the
+model built on the meta device and initialized before the wrap, so that both
+start from the same weights; no checkpoint is loaded or saved), the
+reference of ``--mixed-precision``; ``--steps`` sets the number of steps.
+
 Writes ``--out`` (rank 0): every parameter after the last step and the
-losses, for the test to compare.
+losses, for the test to compare (``--fsdp2``: the losses only).
 """
 from __future__ import annotations
 
@@ -186,23 +194,36 @@ def main(args: argparse.Namespace) -> None:
         model.reset_parameters()
     else:
         checkpointer.load_model(model)
+    mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision else {}
+    if args.fsdp2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(**mixed)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    if not args.plain:
-        optim = distopt.DistOpt(optim, zero=3, model=model)  # was: fully_shard(layer) per layer, fully_shard(model)
+    if not (args.plain or args.fsdp2):  # was: fully_shard(layer) per layer, fully_shard(model), with mp_policy
+        optim = distopt.DistOpt(optim, zero=3, model=model, **mixed)
     if not checkpointer.is_empty():
         checkpointer.load_optim(model, optim)
     losses = []
-    for _ in range(10):
+    for _ in range(args.steps):
         x = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
         loss = model(x).sum()
         loss.backward()
-        if args.plain:
+        if args.plain or args.fsdp2:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         else:
             optim.clip_grad_norm_(1.0)  # was: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
         losses.append(float(loss))
+    if args.fsdp2:
+        if dist.get_rank() == 0:
+            torch.save({"params": {}, "losses": losses}, args.out)
+        dist.destroy_process_group()
+        return
     checkpointer.save(model, optim, os.path.join(args.save_to, args.api))
     params = {k: v.clone() for k, v in model.state_dict().items()}  # whole tensors (collective at zero=3)
     if dist.get_rank() == 0:
@@ -216,5 +237,8 @@ if __name__ == "__main__":
     parser.add_argument("--save-to", required=True, help="write this run's checkpoint here")
     parser.add_argument("--api", choices=("dcp_api", "dcp"), default="dcp_api")
     parser.add_argument("--plain", action="store_true", help="no distopt: the one-process reference")
+    parser.add_argument("--mixed-precision", action="store_true", help="bfloat16 parameters, float32 reduction")
+    parser.add_argument("--fsdp2", action="store_true", help="torch's fully_shard instead of distopt")
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", required=True)
     main(parser.parse_args())

@@ -10,9 +10,11 @@ parameters:
 2. once the bucket layout is known (:meth:`MetaBuild.materialize`), walks ``m.named_modules()`` in order. A module
    that directly owns meta tensors (``recurse=False``) gets them allocated whole on the CPU and initialized by its
    ``reset_parameters()``, or by ``init(module)`` when DistOpt was given ``init=``, under ``torch.no_grad()``; rank 0's
-   values are broadcast; this rank's elements of each bucket are copied into its segment and the module's parameters
-   freed again. A rank holds its segments and the module being initialized (and its broadcast's copy), never the
-   whole model.
+   values are broadcast, a tensor at a time (no packed copy); this rank's elements of each bucket are copied into its
+   segment and the module's parameters freed again. The parameters freed again live in one scratch buffer of the
+   largest module's bytes, reused by every module (separate allocations of varying sizes stay resident in the C
+   allocator: with glibc, about the whole model). A rank holds its segments and the largest module, never the whole
+   model (``tests/sharding/test_meta_init_memory.py`` measures it).
 
 The rules, which make the result bitwise what building the model on the CPU from the same RNG state gives (the
 CPU-built model's ``nn.Linear`` initializes in its constructor):
@@ -45,6 +47,16 @@ __all__ = ["MetaBuild", "refuse_meta"]
 
 #: torch's global generator is one per process: ranks running as threads (the simulated world) take turns with it.
 _RNG = threading.Lock()
+
+
+def _nbytes(t: Any) -> int:
+    """BYTES of ``t``'s elements."""
+    return t.numel() * t.element_size()
+
+
+def _aligned(t: Any) -> int:
+    """``t``'s BYTES rounded up to 64 (each tensor in the scratch buffer starts 64-byte aligned)."""
+    return -(-_nbytes(t) // 64) * 64
 
 
 def _meta_named(model: Any) -> list[tuple[str, Any]]:
@@ -168,6 +180,7 @@ class MetaBuild:
         segments = [torch.empty(plan.counts[b][rank], dtype=tensors[k.slots[0].index].dtype)
                     for b, k in enumerate(buckets)]
         place = {id(tensors[s.index]): (b, s) for b, k in enumerate(buckets) for s in k.slots}
+        scratch = torch.empty(self._scratch_bytes(place), dtype=torch.uint8)
         done: dict[int, Any] = {}  # id of a meta tensor taken -> what replaced it
         for name, module in self.model.named_modules():
             own = [(table, key, t) for table in (module._parameters, module._buffers) for key, t in table.items()
@@ -184,8 +197,13 @@ class MetaBuild:
                 for table, key, t in own:
                     table[key] = done[id(t)]
                 continue
+            at = 0
             for table, key, t in own:
-                whole = torch.empty(t.shape, dtype=t.dtype)
+                if id(t) in done or id(t) in place:  # freed after this module: in the scratch buffer
+                    whole = scratch[at:at + _nbytes(t)].view(t.dtype).view(t.shape)
+                    at += _aligned(t)
+                else:  # kept whole (a buffer, a parameter outside the layout)
+                    whole = torch.empty(t.shape, dtype=t.dtype)
                 if id(t) in done:  # tied to an earlier module: initialized on a scratch tensor, then dropped
                     table[key] = torch.nn.Parameter(whole, t.requires_grad) if table is module._parameters else whole
                 elif table is module._parameters:
@@ -205,7 +223,8 @@ class MetaBuild:
             if left:
                 raise RuntimeError(f"zero=3: module {name or 'the model'!r} left {left} on the meta device after "
                                    "its initialization: allocate them on the CPU (or leave them to DistOpt)")
-            broadcast_arrays(comm, [as_array(x) for _, x in made])  # rank 0's values, as for a CPU-built model
+            for _, x in made:  # rank 0's values, as for a CPU-built model; one tensor at a time: no packed copy
+                broadcast_arrays(comm, [as_array(x)])
             for (table, key, t), (_, x) in zip(fresh, made):
                 done[id(t)] = x
                 if id(t) in place:
@@ -218,6 +237,19 @@ class MetaBuild:
             raise RuntimeError(f"zero=3: {left} are still on the meta device after materializing the model (not "
                                "owned by any module of model=?)")
         return segments
+
+    def _scratch_bytes(self, place: dict[int, Any]) -> int:
+        """BYTES of the scratch buffer that holds, in turn, each module's tensors freed after its initialization (its
+        layout parameters and its tied tensors' stand-ins): the largest module's. One buffer reused, not one allocation
+        per module: the C allocator keeps freed blocks of varying sizes resident (about the whole model's bytes, with
+        glibc's adaptive mmap threshold), the scratch buffer is resident once."""
+        most, seen = 0, set()
+        for module in self.model.modules():
+            own = [t for table in (module._parameters, module._buffers) for t in table.values()
+                   if t is not None and id(t) in self.local.deferred]
+            most = max(most, sum(_aligned(t) for t in own if id(t) in seen or id(t) in place))
+            seen.update(id(t) for t in own)
+        return most
 
     @staticmethod
     def _keep(param: Any, b: int, slot: Any, plan: ShardPlan, rank: int, segments: list[Any]) -> None:

@@ -144,7 +144,11 @@ class ShardedState:
             taken: dict[Any, dict[str, Any]] = {}
             groups = None
             steps: set[Any] = set()
-            for header, shard in zip(stream.headers, stream.shards):
+            shards = iter(stream.shards)
+            for header in stream.headers:  # not zip(): its reused result tuple holds a shard until the next is read
+                shard = next(shards, None)
+                if shard is None:
+                    break
                 clean, extras = split(shard)
                 mine = clean["distopt_shard"]
                 steps.add(mine.get("steps"))
@@ -155,6 +159,7 @@ class ShardedState:
                 self.shards.take_pieces(mine["pieces"], mine.get("params"), taken)
                 if groups is None:
                     first, groups = extras, clean["param_groups"]
+                del shard, clean, mine  # before the stream reads the next shard: one shard held at a time, not two
             self.shards.local.optimizer.load_state_dict({**self._as_torch({}), "param_groups": groups})
             self.shards.install(taken)
         self._pending = None

@@ -1,0 +1,93 @@
+"""A checkpoint loaded into a model built on the meta device at ``zero=3``: bitwise what the same checkpoint gives a
+model built on the CPU.
+
+A GPT (:class:`tests.sharding.test_meta_init.GPT`) trained 3 AdamW steps at W = 2 is saved three ways: a consolidated
+file (``distopt.save``), the consolidated dicts (``opt.state_dict()`` and ``model.state_dict()``), and every rank's
+shard with its parameters' elements (``opt.state_dict(sharded=True, params=True)``). Each is loaded at W = 2 and 3 into
+the same GPT built from another seed, once on the meta device and once on the CPU (``distopt.load`` then
+``model.load_state_dict``; ``opt.load_state_dict(full)`` then ``model.load_state_dict(full)``;
+``opt.load_state_dict([every shard])``, streamed one shard at a time); compared: the whole parameters right after
+loading (also against the saved ones) and after 2 more steps.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import distopt
+from tests.sharding.test_meta_init import CONTEXT, GPT, VOCAB
+from tests.support.backends import run_case
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _full(model: Any, opt: Any) -> list[Any]:
+    with opt.summon_full_params():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _steps(model: Any, opt: Any, rank: int, first: int, count: int) -> None:
+    for s in range(first, first + count):
+        tokens = torch.randint(0, VOCAB, (4, CONTEXT + 1), generator=torch.Generator().manual_seed(100 * s + rank % 2))
+        opt.zero_grad()
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+
+
+def _dump(obj: Any) -> bytes:
+    f = io.BytesIO()
+    torch.save(obj, f)
+    return f.getvalue()
+
+
+def case(rank: int, comm: Any, device: str, seed: int, how: str, saved: Any) -> dict[str, Any]:
+    """The GPT built on ``device`` from ``seed`` at ``zero=3`` with AdamW. ``how="save"``: 3 steps, then every form of
+    checkpoint (``saved`` is the file's path); otherwise the checkpoint ``saved`` loaded ``how``, then 2 steps."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT()
+    adamw = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
+    if how == "save":
+        _steps(model, opt, rank, 0, 3)
+        distopt.save(saved, model.state_dict(), opt)
+        out = {"params": _full(model, opt), "opt": _dump(opt.state_dict()), "model": _dump(model.state_dict()),
+               "shard": _dump(opt.state_dict(sharded=True, params=True))}
+        opt.close()
+        return out
+    if how == "file":
+        model.load_state_dict(distopt.load(saved, opt))
+    elif how == "dicts":
+        opt.load_state_dict(torch.load(io.BytesIO(saved["opt"]), weights_only=True))
+        model.load_state_dict(torch.load(io.BytesIO(saved["model"]), weights_only=True))
+    else:  # every rank's shard, read one at a time
+        shards = (torch.load(io.BytesIO(b), weights_only=True) for b in saved)
+        opt.load_state_dict(distopt.ShardStream([{"world_size": 2, "rank": r} for r in range(len(saved))], shards))
+    loaded = _full(model, opt)
+    _steps(model, opt, rank, 3, 2)
+    out = {"loaded": loaded, "trained": _full(model, opt)}
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.unit
+def test_a_checkpoint_loads_into_a_meta_built_model_bitwise_as_into_a_cpu_built_one(world, tmp_path: Path):
+    path = str(tmp_path / "gpt.pt")
+    first = run_case("sim", 2, case, "cpu", 11, "save", path)
+    forms = {"file": path, "dicts": {"opt": first[0]["opt"], "model": first[0]["model"]},
+             "shards": [f["shard"] for f in first]}
+    for how, saved in forms.items():
+        cpu = run_case("sim", world, case, "cpu", 5, how, saved)
+        meta = run_case("sim", world, case, "meta", 5, how, saved)
+        for rank, (c, m) in enumerate(zip(cpu, meta)):
+            for i, (ref, a, b) in enumerate(zip(first[0]["params"], c["loaded"], m["loaded"])):
+                assert torch.equal(ref, a) and torch.equal(ref, b), f"{how} W={world} rank {rank} parameter {i} loaded"
+            for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
+                assert torch.equal(a, b), f"{how} W={world} rank {rank} parameter {i} after 2 more steps"
+        assert any(not torch.equal(a, b) for a, b in zip(first[0]["params"], meta[0]["trained"]))  # it trained

@@ -13,6 +13,7 @@ no such mapping: write a strategy (:class:`~distopt.strategies.base.GradientStra
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
@@ -23,18 +24,18 @@ from .strategies.registry import strategy_error
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression", "strategy_for"]
 
 
-class Compressor:
+class Compressor(ABC):
     """Interface of a tensor compressor (Horovod's): static ``compress`` and ``decompress``."""
 
     @staticmethod
+    @abstractmethod
     def compress(tensor: Any) -> tuple[Any, Any]:
         """``(compressed tensor, context needed to decompress it)``."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def decompress(tensor: Any, ctx: Any) -> Any:
         """The tensor ``compress`` was given, from its output ``(tensor, ctx)``."""
-        raise NotImplementedError
 
 
 class NoneCompressor(Compressor):

@@ -9,7 +9,6 @@ backend the results are compared with torch.distributed's own collectives and
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -18,29 +17,15 @@ import distopt
 from distopt.comm.groups import split
 from distopt.errors import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorClosedError
 from tests.support.backends import run_case
-from tests.support.simworld import SimCommunicator, _Shared, run_world
+from tests.support.sim_split import sim_can_split  # noqa: F401 (autouse: simulated ranks split)
+from tests.support.simworld import run_world
 
 torch = pytest.importorskip("torch")
 ag = pytest.importorskip("distopt.autograd")
 
 REAL = ["mpi", "shm", "torch"]
-_SPLIT_LOCK = threading.Lock()
 
 
-def _sim_split(self: SimCommunicator, ranks) -> SimCommunicator | None:
-    """Stand-in ``Communicator.split`` for the simulated world: the k-th split of a world is one new world."""
-    ranks = list(ranks)
-    with _SPLIT_LOCK:
-        self._splits = getattr(self, "_splits", 0) + 1
-        children = self._shared.__dict__.setdefault("children", {})
-        shared = children.setdefault((self._splits, tuple(ranks)), _Shared(len(ranks), self._shared.timeout))
-    return SimCommunicator(shared, ranks.index(self.rank)) if self.rank in ranks else None
-
-
-@pytest.fixture(autouse=True)
-def _sim_can_split(monkeypatch):
-    if not hasattr(SimCommunicator, "split"):
-        monkeypatch.setattr(SimCommunicator, "split", _sim_split, raising=False)
 
 
 def _opt(comm):

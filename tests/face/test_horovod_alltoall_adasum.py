@@ -31,20 +31,15 @@ from distopt.comm.uneven import all_to_all_v
 from distopt.errors import CollectiveMismatchError
 from distopt.strategies import Adasum
 from tests.support.backends import run_case
-from tests.support.simworld import SimCommunicator
 
 torch = pytest.importorskip("torch")
 ag = pytest.importorskip("distopt.autograd")
-from tests.face.test_collectives_public import _sim_split  # noqa: E402  (the simulated world's split stand-in)
+from tests.support.sim_split import sim_can_split  # noqa: F401 (autouse: simulated ranks split)
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64, torch.float16]
 REAL = [("mpi", 2), ("mpi", 4), ("torch", 2), ("shm", 2)]
 
 
-@pytest.fixture(autouse=True)
-def _sim_can_split(monkeypatch):
-    if not hasattr(SimCommunicator, "split"):
-        monkeypatch.setattr(SimCommunicator, "split", _sim_split, raising=False)
 
 
 def _opt(comm):

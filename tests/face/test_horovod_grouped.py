@@ -23,9 +23,8 @@ import pytest
 
 import distopt
 from distopt.comm.groups import split
-from tests.face.test_collectives_public import _sim_split
+from tests.support.sim_split import sim_can_split  # noqa: F401 (autouse: simulated ranks split)
 from tests.support.backends import run_case, tiered
-from tests.support.simworld import SimCommunicator
 
 torch = pytest.importorskip("torch")
 
@@ -38,10 +37,6 @@ GATHER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 DIMS = (1, 2, 3)
 
 
-@pytest.fixture(autouse=True)
-def _sim_can_split(monkeypatch):
-    if not hasattr(SimCommunicator, "split"):
-        monkeypatch.setattr(SimCommunicator, "split", _sim_split, raising=False)
 
 
 def _opt(comm):

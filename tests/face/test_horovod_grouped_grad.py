@@ -28,9 +28,8 @@ import pytest
 
 from distopt.comm.groups import split
 from distopt.errors import CollectiveMismatchError
-from tests.face.test_collectives_public import _sim_split
+from tests.support.sim_split import sim_can_split  # noqa: F401 (autouse: simulated ranks split)
 from tests.support.backends import run_case, tiered
-from tests.support.simworld import SimCommunicator
 
 torch = pytest.importorskip("torch")
 ag = pytest.importorskip("distopt.autograd")
@@ -39,10 +38,6 @@ WORLDS = tiered([("sim", 1), ("sim", 2), ("sim", 4), ("mpi", 2), ("mpi", 4), ("s
 DIMS = (1, 2, 3)
 
 
-@pytest.fixture(autouse=True)
-def _sim_can_split(monkeypatch):
-    if not hasattr(SimCommunicator, "split"):
-        monkeypatch.setattr(SimCommunicator, "split", _sim_split, raising=False)
 
 
 def _sets(comm, rank: int):

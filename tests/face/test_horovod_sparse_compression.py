@@ -22,9 +22,8 @@ import distopt
 from distopt.comm.groups import split
 from distopt.errors import CollectiveMismatchError
 from distopt.strategies import Half
-from tests.face.test_collectives_public import _sim_split
+from tests.support.sim_split import sim_can_split  # noqa: F401 (autouse: simulated ranks split)
 from tests.support.backends import run_case, tiered
-from tests.support.simworld import SimCommunicator
 
 torch = pytest.importorskip("torch")
 
@@ -32,10 +31,6 @@ WORLDS = tiered([("sim", 1), ("sim", 2), ("sim", 3), ("sim", 4), ("mpi", 2), ("m
 MULTI = [p for p in WORLDS if p.values[1] > 1]
 
 
-@pytest.fixture(autouse=True)
-def _sim_can_split(monkeypatch):
-    if not hasattr(SimCommunicator, "split"):
-        monkeypatch.setattr(SimCommunicator, "split", _sim_split, raising=False)
 
 
 def _opt(comm, **kw):

@@ -10,41 +10,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import threading
-import time
-from typing import Any, Callable
 
 import torch
+from rss import peak_growth  # this folder's module (run as a script)
 
 import distopt
 from distopt import elastic
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def peak_growth(fn: Callable[[], Any]) -> int:
-    """The resident set's peak during ``fn()`` minus its size before, in bytes."""
-    base, peak, done = rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample)
-    t.start()
-    kept = fn()
-    peak[0] = max(peak[0], rss())
-    done.set()
-    t.join()
-    del kept
-    return peak[0] - base
 
 
 def measure(zero: int) -> None:
@@ -67,8 +41,8 @@ def measure(zero: int) -> None:
         torch.save(opt.state_dict(), f)
         return f.getvalue()
 
-    commit = peak_growth(lambda: state.commit())
-    whole = peak_growth(consolidated)
+    commit = peak_growth(lambda: state.commit())[0]
+    whole = peak_growth(consolidated)[0]  # its buffer freed at once
     print(json.dumps({"rank": opt.global_rank, "world": opt.world_size, "zero": zero,
                       "commit_growth": commit, "consolidated_growth": whole,
                       "part_bytes": len(state._committed),

@@ -14,44 +14,20 @@ constructed first, so that imports and the communicator's setup are not counted.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from rss import peak_growth  # this folder's module (run as a script)
 from torch import nn
 
 import distopt
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 VOCAB, WIDTH, CONTEXT, BLOCKS = 2048, 256, 64, 12  # 9.8M float32 parameters: 39 MB; the largest module 2 MB
 BUCKET = 262144  # ELEMENTS per bucket: 1 MiB of float32
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def peak_growth(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """The resident set's peak during ``fn()`` minus its size before, in bytes, and what ``fn`` returned."""
-    base, peak, done = rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample)
-    t.start()
-    kept = fn()
-    peak[0] = max(peak[0], rss())
-    done.set()
-    t.join()
-    return peak[0] - base, kept
 
 
 class Block(nn.Module):

@@ -46,7 +46,8 @@ class State:
     ``commit()`` serialises every object's state (a copy, not a view of the live tensors) and the plain
     values, keeps this rank's part, and, under :func:`~distopt.elastic.run`, writes the parts to each node's
     shared memory (:class:`~distopt.elastic.snapshot.SnapshotDir`) so that the worker torchrun restarts finds
-    them. ``restore()`` loads the last commit back into the same objects.
+    them. ``restore()`` loads the last commit back into the same objects. It is a torch ``Stateful``
+    (:meth:`state_dict`, :meth:`load_state_dict`): ``torch.distributed.checkpoint`` saves and loads it.
 
     Args:
         model: a ``torch.nn.Module`` (its parameters and persistent buffers; those a sharded optimizer trains
@@ -204,6 +205,48 @@ class State:
         object.__setattr__(self, "commits", seq)
         if not own:  # this world has no part of its own until its first commit
             object.__setattr__(self, "_committed", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``Stateful`` protocol, so that ``torch.distributed.checkpoint`` saves and loads this state
+        (``dcp.save({"state": state}, checkpoint_id=...)``), at any world size and ``zero`` stage. Collective.
+
+        Returns:
+            ``"model"`` and ``"optimizer"``: what ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives
+            for them (a DistOpt at ``zero=1|2|3`` yields each rank's part of its state); every other object's
+            ``state_dict()``; ``"values"``: the plain values.
+        """
+        model, optimizer = self._objects.get("model"), self._objects.get("optimizer")
+        out: dict[str, Any] = {k: v.state_dict() for k, v in self._objects.items() if k not in ("model", "optimizer")}
+        if model is not None and optimizer is not None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            out["model"], out["optimizer"] = get_state_dict(model, optimizer)
+        elif model is not None or optimizer is not None:
+            out["model" if model is not None else "optimizer"] = (model or optimizer).state_dict()
+        out["values"] = dict(self._values)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (after ``torch.distributed.checkpoint.load`` filled it): the
+        objects in place, the values replaced. Collective.
+
+        Raises:
+            ValueError: ``state_dict`` holds no state for an object of this state.
+        """
+        missing = sorted(set(self._objects) - set(state_dict))
+        if missing:
+            raise ValueError(f"distopt.elastic.State.load_state_dict: no state for {missing}; it holds "
+                             f"{sorted(state_dict)}")
+        model, optimizer = self._objects.get("model"), self._objects.get("optimizer")
+        if model is not None and optimizer is not None:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optimizer"])
+        for name, obj in self._objects.items():
+            if name not in ("model", "optimizer") or model is None or optimizer is None:
+                obj.load_state_dict(state_dict[name])
+        self._values.update(state_dict.get("values", {}))
 
     def _attach(self, store: Callable[[int, bytes], None] | None) -> None:
         """Under :func:`~distopt.elastic.run`: what stores each commit's part (collective on every rank)."""

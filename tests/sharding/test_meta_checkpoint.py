@@ -7,7 +7,9 @@ shard with its parameters' elements (``opt.state_dict(sharded=True, params=True)
 the same GPT built from another seed, once on the meta device and once on the CPU (``distopt.load`` then
 ``model.load_state_dict``; ``opt.load_state_dict(full)`` then ``model.load_state_dict(full)``;
 ``opt.load_state_dict([every shard])``, streamed one shard at a time); compared: the whole parameters right after
-loading (also against the saved ones) and after 2 more steps.
+loading (also against the saved ones) and after 2 more steps. The same for a ``torch.distributed.checkpoint`` saved at
+W = 2 (``get_state_dict`` and ``dcp.save``) and loaded at W = 2 and 3 (``dcp.load`` and ``set_state_dict``) on torch's
+backend.
 """
 from __future__ import annotations
 
@@ -91,3 +93,46 @@ def test_a_checkpoint_loads_into_a_meta_built_model_bitwise_as_into_a_cpu_built_
             for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
                 assert torch.equal(a, b), f"{how} W={world} rank {rank} parameter {i} after 2 more steps"
         assert any(not torch.equal(a, b) for a, b in zip(first[0]["params"], meta[0]["trained"]))  # it trained
+
+
+def case_dcp(rank: int, comm: Any, device: str, seed: int, directory: str, save: bool) -> dict[str, Any]:
+    """The GPT built on ``device`` from ``seed`` at ``zero=3``. ``save``: 3 steps, then ``get_state_dict`` and
+    ``dcp.save`` into ``directory``; else ``dcp.load`` and ``set_state_dict`` from it, then 2 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT()
+    adamw = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
+    if save:
+        _steps(model, opt, rank, 0, 3)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+        out = {"params": _full(model, opt)}
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=directory)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        loaded = _full(model, opt)
+        _steps(model, opt, rank, 3, 2)
+        out = {"loaded": loaded, "trained": _full(model, opt)}
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.world
+def test_a_dcp_checkpoint_loads_into_a_meta_built_model_bitwise_as_into_a_cpu_built_one(world, tmp_path: Path):
+    directory = str(tmp_path / "dcp")
+    first = run_case("torch", 2, case_dcp, "cpu", 11, directory, True)
+    cpu = run_case("torch", world, case_dcp, "cpu", 5, directory, False)
+    meta = run_case("torch", world, case_dcp, "meta", 5, directory, False)
+    for rank, (c, m) in enumerate(zip(cpu, meta)):
+        for i, (ref, a, b) in enumerate(zip(first[0]["params"], c["loaded"], m["loaded"])):
+            assert torch.equal(ref, a) and torch.equal(ref, b), f"W={world} rank {rank} parameter {i} loaded"
+        for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
+            assert torch.equal(a, b), f"W={world} rank {rank} parameter {i} after 2 more steps"
+    assert any(not torch.equal(a, b) for a, b in zip(first[0]["params"], meta[0]["trained"]))  # it trained

@@ -64,3 +64,39 @@ def case_reference(rank: int, comm: Any, steps: int) -> list[Any]:
     out = _params(model, opt)
     opt.close()
     return out
+
+
+def case_state(rank: int, comm: Any, zero: int, directory: str, mode: str, steps: int) -> dict[str, Any]:
+    """``distopt.elastic.State`` (Adam at ``zero``, an ``ElasticSampler``, a plain value) as a torch ``Stateful``.
+    ``mode``: ``"save"``: ``steps`` steps from the start, then ``dcp.save({"state": state})`` into ``directory``
+    and rank 0's consolidated ``plain.pt`` beside it (as :func:`case_dcp`); ``"load"``: ``dcp.load`` of it first.
+    Returns the parameters after ``steps`` more steps, and the step count, sampler position and value loaded."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from distopt.elastic import ElasticSampler, State
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = distopt.DistOpt(torch.optim.Adam(model.parameters(), lr=0.01), comm=comm, zero=zero, buffSize=40,
+                          model=model)
+    sampler = ElasticSampler(60, 3, rank=rank, world_size=comm.size)
+    state = State(model, opt, sampler, epoch=0)
+    start = 0 if mode == "save" else 2
+    if mode == "load":
+        dcp.load({"state": state}, checkpoint_id=directory)
+    restored = (opt.stats["steps"], sampler.processed, state.epoch)
+    for s in range(start, start + steps):
+        _train(model, opt, rank, range(s, s + 1))
+        sampler.record_batch()
+    if mode == "save":
+        state.epoch = 7
+        dcp.save({"state": state}, checkpoint_id=directory)
+        plain = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if rank == 0:
+            torch.save(plain, os.path.join(directory, "plain.pt"))
+    out = {"params": _params(model, opt), "restored": restored}
+    opt.close()
+    return out

@@ -37,3 +37,16 @@ def test_dcp_save_at_two_loads_at_one_two_and_three_into_any_stage(backend: str,
         _same([g["params"] for g in got], [r["params"] for r in ref], world, f"zero={zero} W=2 -> zero={into} W={world}")
         if world == 2:
             _same([g["params"] for g in got], straight, 2, "resumed vs uninterrupted")
+
+
+@pytest.mark.parametrize("backend", tiered(["torch"]))
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_elastic_state_is_a_stateful_that_dcp_saves_at_two_and_loads_at_three(backend: str, zero: int,
+                                                                              tmp_path: Path) -> None:
+    directory = str(tmp_path / "state")
+    run_case(backend, 2, cases.case_state, zero, directory, "save", 2)
+    for world in (2, 3):
+        got = run_case(backend, world, cases.case_state, zero, directory, "load", 2)
+        ref = run_case(backend, world, cases.case_dcp, 0, directory, "plain", 2)
+        assert [g["restored"] for g in got] == [(2, 2 * 2 * 3, 7)] * world, "step count, sampler position or value lost"
+        _same([g["params"] for g in got], [r["params"] for r in ref], world, f"State zero={zero} W=2 -> W={world}")

@@ -212,8 +212,9 @@ class State:
 
         Returns:
             ``"model"`` and ``"optimizer"``: what ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives
-            for them (a DistOpt at ``zero=1|2|3`` yields each rank's part of its state); every other object's
-            ``state_dict()``; ``"values"``: the plain values.
+            for them (whole tensors: a DistOpt at ``zero=1|2|3`` consolidates its state on every rank, and a
+            ``zero=3`` model is gathered, unlike :meth:`commit`); every other object's ``state_dict()``;
+            ``"values"``: the plain values.
         """
         model, optimizer = self._objects.get("model"), self._objects.get("optimizer")
         out: dict[str, Any] = {k: v.state_dict() for k, v in self._objects.items() if k not in ("model", "optimizer")}

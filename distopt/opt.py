@@ -82,16 +82,16 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
             keeps only this rank's gradient segments; 3 also keeps only this rank's segments of the parameters,
             gathered for each module's forward and backward (needs ``model``; ``summon_full_params()``). Dense or
             Half; an elementwise optimizer.
-        overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight
-            until the next forward reaches its parameters (what ``zero=3`` always does: there it changes
-            nothing).
+        overlap_param_gather: with ``zero`` and ``model``, leave each bucket's parameter all-gather in flight until
+            the next forward reaches its parameters (what ``zero=3`` always does: there it changes nothing).
         reshard_after_forward: FSDP's option, for ``zero=3``: True (the default) frees each bucket after the
             forward that used it and gathers it again for backward; False keeps every bucket gathered from
             forward until its gradients are ready (one all-gather per step instead of two, for the memory of
             the whole model during forward and backward; still 1/W at rest).
         init: ``zero=3`` with a ``model`` built on the meta device (``docs/sharding.md``): ``init(module)``
             initializes each module owning meta tensors in place, instead of its ``reset_parameters()``.
-        param_dtype: ``zero=3``'s mixed precision, FSDP2's ``MixedPrecisionPolicy``: forward, backward, gathers in it.
+        param_dtype: mixed precision at any ``zero``, with ``model`` (FSDP2's ``MixedPrecisionPolicy``): the dtype of
+            forward, backward and the parameters' gathers; the optimizer steps float32 masters.
         reduce_dtype: the gradients' reduction's dtype (None: ``param_dtype``; :mod:`distopt.torch.zero.precision`).
         hierarchical: the all-reduce across nodes (:mod:`distopt.comm.hierarchy`): None picks it on the torch
             backend when there are several nodes (host names) with the same number (> 1) of processes; True
@@ -113,7 +113,7 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
         ValueError: ``buffSize < 1``, inconsistent rank arguments, or ``gradient_as_bucket_view=True`` with an array
             optimizer or a strategy that averages parameters (partial); ``zero`` not in (0, 1, 2, 3), with another
             strategy or an optimizer that is not elementwise; ``zero=3`` without ``model`` or with an array
-            optimizer; ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``, or below ``zero=3``.
+            optimizer; ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``, or without ``model``.
     """
 
     def __new__(cls, opt: Any, *args: Any, **kwargs: Any) -> DistOpt:  # noqa: ARG003

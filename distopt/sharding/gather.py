@@ -5,7 +5,7 @@ from typing import Any, Callable, Sequence
 
 from ..comm.base import Communicator
 from ..core.bucket_run import BucketRun, RunState
-from ..core.buckets import Bucket, pack
+from ..core.buckets import pack
 from ..core._array import xp_of
 from ..core.spares import Spares
 from .plan import ShardPlan
@@ -56,11 +56,12 @@ class ParamGather:
         """Start (or, not asynchronous, complete) the gather of every bucket, last bucket first."""
         native = getattr(self.comm, "all_gather_into_async", None) if self.asynchronous else None
         for run in reversed(self.runs):
-            buffer = self.buffers[run.index]
-            if buffer is None and not (self.keep or self.asynchronous):
-                buffer = self._scratch_for(run.bucket)
+            keep = self.keep and self._dtype(run) == run.bucket.dtype
+            buffer = self.buffers[run.index] if keep else None
+            if buffer is None and not (keep or self.asynchronous):
+                buffer = self._scratch_for(run)
             flat, viewed = self._pack_own(run, buffer)
-            if not viewed and self.keep:
+            if not viewed and keep:
                 self.buffers[run.index] = flat
             self.gathered_bytes += int(flat.nbytes)
             with self.context(self._where(run)):
@@ -77,6 +78,11 @@ class ParamGather:
                 self.spares.give(scratch)
             self._scratch.clear()
 
+    def _dtype(self, run: BucketRun) -> Any:
+        """The dtype the bucket's gather moves: its parameters' (mixed precision: ``param_dtype``, which the bucket's
+        reduction, in ``reduce_dtype``, does not share; then the layout's buffers are not used)."""
+        return self.params[run.bucket.slots[0].index].dtype
+
     def _own_range(self, run: BucketRun) -> tuple[int, int]:
         lo = self.plan.lows[run.index]
         return lo, lo + self.plan.counts[run.index][self.comm.rank]
@@ -88,7 +94,7 @@ class ParamGather:
         if bucket.alone:
             return pack(bucket, self.params, buffer)
         if buffer is None:
-            buffer = xp_of(self.params[bucket.slots[0].index]).empty(bucket.size, dtype=bucket.dtype)
+            buffer = xp_of(self.params[bucket.slots[0].index]).empty(bucket.size, dtype=self._dtype(run))
         lo, _ = self._own_range(run)
         for p in self.plan.pieces:
             if p.bucket == run.index:
@@ -109,18 +115,19 @@ class ParamGather:
                 if a < b:
                     flat_target[a - s.offset:b - s.offset] = run.flat[a:b]
 
-    def _scratch_for(self, bucket: Bucket) -> Any:
-        """A view of ``bucket.size`` elements of the scratch buffer of ``bucket.dtype`` (made at first use, as large
+    def _scratch_for(self, run: BucketRun) -> Any:
+        """A view of ``bucket.size`` elements of the scratch buffer of the gather's dtype (made at first use, as large
         as the largest bucket of that dtype), or None for a lone contiguous parameter (a view)."""
+        bucket, dtype = run.bucket, self._dtype(run)
         first = self.params[bucket.slots[0].index]
         if bucket.alone and first.flags.c_contiguous:  # pack() gathers into the parameter itself
             return None
-        key = str(bucket.dtype)
+        key = str(dtype)
         if key not in self._scratch:
-            size = max(r.bucket.size for r in self.runs if str(r.bucket.dtype) == key)
+            size = max(r.bucket.size for r in self.runs if str(self._dtype(r)) == key)
             xp = xp_of(first)
-            new = lambda n: xp.empty(n, dtype=bucket.dtype)  # noqa: E731
-            self._scratch[key] = new(size) if self.spares is None else self.spares.take(size, bucket.dtype, new)
+            new = lambda n: xp.empty(n, dtype=dtype)  # noqa: E731
+            self._scratch[key] = new(size) if self.spares is None else self.spares.take(size, dtype, new)
         return self._scratch[key][:bucket.size]
 
     def buckets_of(self, indices: set[int]) -> list[BucketRun]:

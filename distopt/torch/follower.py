@@ -234,7 +234,7 @@ class Follower:
             pipeline = self._begin(shadow)
         for i, t in enumerate(self._tensors if self.views is not None else ()):
             self.views.adopt(t, i)
-        grads = [None if shadow else self.sparse.array(t) for t in self._tensors]
+        grads = self.sink.reduced_into([None if shadow else self.sparse.array(t) for t in self._tensors])
         outcome = self.runner.complete(pipeline, grads, active=not shadow)
         self.passes = 0
         bad = self.sparse.reduce(outcome, shadow)

@@ -53,7 +53,12 @@ class TorchSurface:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the inner optimizer and take rank 0's values for it (collective; every rank adds
-        the same shapes). CollectiveMismatchError on every rank if they differ."""
+        the same shapes). CollectiveMismatchError on every rank if they differ; ValueError with mixed precision
+        (``param_dtype``/``reduce_dtype``: the masters are taken at construction)."""
+        if getattr(self.follower.sink, "precision", None) is not None:
+            raise ValueError("add_param_group() with param_dtype=/reduce_dtype= (mixed precision): the float32 "
+                             "masters are taken from the optimizer's groups at construction; pass every group to "
+                             "the optimizer before wrapping it in DistOpt")
         self.model_sync.add_param_group(param_group, self.follower.on_grad)
 
     def no_sync(self) -> Any:

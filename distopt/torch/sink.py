@@ -52,6 +52,11 @@ class GradientSink:
             elif shadow:
                 t.grad.copy_(as_tensor_like(g, t).reshape(t.grad.shape))
 
+    def reduced_into(self, grads: list[Any]) -> list[Any]:
+        """The arrays a step's reduction averages into, from this rank's gradient arrays ``grads`` (None where it has
+        none): ``grads`` themselves here; mixed precision's sinks give copies in ``reduce_dtype``."""
+        return grads
+
     def bind(self, follower: Any) -> None:
         """Once the follower exists and the parameters are rank 0's on every rank (nothing to do here)."""
 

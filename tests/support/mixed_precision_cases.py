@@ -1,4 +1,4 @@
-"""Cases of mixed precision at ``zero=3`` (``DistOpt(param_dtype=, reduce_dtype=)``), run by
+"""Cases of mixed precision at ``zero=0|1|2|3`` (``DistOpt(param_dtype=, reduce_dtype=)``), run by
 ``tests/sharding/test_mixed_precision.py`` on any backend, and their one-process emulation.
 
 The emulation is FSDP2's ``MixedPrecisionPolicy`` written out by hand: a float32 master model; per step, for each
@@ -53,8 +53,9 @@ def _dtype(name: str | None) -> Any:
 
 def case_train(rank: int, comm: Any, net: str, param_dtype: str | None, reduce_dtype: str | None, steps: int,
                options: dict[str, Any]) -> dict[str, Any]:
-    """``steps`` AdamW steps of ``net`` (``"gpt"``: the GPT-style model; ``"mlp"``: the small MLP) at ``zero=3``
-    with the given dtypes (names of torch dtypes; None leaves one out). ``options``: ``clip`` (max norm),
+    """``steps`` AdamW steps of ``net`` (``"gpt"``: the GPT-style model; ``"mlp"``: the small MLP) at ``zero``
+    (an option, default 3) with the given dtypes (names of torch dtypes; None leaves one out). ``options``:
+    ``overlap_gather`` (``overlap_param_gather=True``), ``clip`` (max norm),
     ``scaler`` (a ``GradScaler``, initial scale ``scale`` or 2**10, with float16), ``buff`` (bucket elements,
     default 600), ``no_sync`` (a micro-batch accumulated inside ``no_sync()`` first), ``reshard`` (False:
     ``reshard_after_forward=False``).
@@ -64,9 +65,10 @@ def case_train(rank: int, comm: Any, net: str, param_dtype: str | None, reduce_d
 
     torch.set_num_threads(1)
     model = _net(net)
-    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=3, model=model,
+    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=options.get("zero", 3), model=model,
                           buffSize=options.get("buff", 600), param_dtype=_dtype(param_dtype),
-                          reduce_dtype=_dtype(reduce_dtype), reshard_after_forward=options.get("reshard", True))
+                          reduce_dtype=_dtype(reduce_dtype), reshard_after_forward=options.get("reshard", True),
+                          overlap_param_gather=options.get("overlap_gather", False))
     scaler = torch.amp.GradScaler("cpu", init_scale=options.get("scale", 2.0 ** 10)) if options.get("scaler") else None
     seen: set[str] = set()  # the dtypes of the model's output and of the parameters inside its first module
     first = next(m for m in model.modules() if list(m.parameters(recurse=False)))
@@ -147,8 +149,8 @@ def emulate(world: int, net: str, param_dtype: str | None, reduce_dtype: str | N
 
 
 def case_resume(rank: int, comm: Any, path: str, load: bool, first: int, steps: int,
-                mixed: bool = True) -> dict[str, Any]:
-    """The GPT-style model at ``zero=3``, AdamW, bfloat16/float32 (``mixed``) or float32: steps
+                mixed: bool = True, zero: int = 3) -> dict[str, Any]:
+    """The GPT-style model at ``zero``, AdamW, bfloat16/float32 (``mixed``) or float32: steps
     ``first .. first+steps-1`` after ``distopt.load(path)`` when ``load``, then ``distopt.save(path,
     model.state_dict(), opt)``. Returns the whole parameters after loading and at the end, and the dtypes of the
     saved model state and optimizer state."""
@@ -156,7 +158,7 @@ def case_resume(rank: int, comm: Any, path: str, load: bool, first: int, steps: 
 
     torch.set_num_threads(1)
     model = _gpt()
-    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=3, model=model, buffSize=600,
+    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=zero, model=model, buffSize=600,
                           param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32 if mixed else None)
     if load:
         model.load_state_dict(distopt.load(path, opt))
@@ -176,14 +178,14 @@ def case_resume(rank: int, comm: Any, path: str, load: bool, first: int, steps: 
             "optimizer_dtypes": sorted(optimizer_dtypes)}
 
 
-def case_summon(rank: int, comm: Any) -> dict[str, Any]:
-    """Two bfloat16/float32 steps of the GPT-style model, then ``summon_full_params()``: the dtypes inside, the
-    masters before and after halving them inside the block, and the dtypes a forward sees after it."""
+def case_summon(rank: int, comm: Any, zero: int = 3) -> dict[str, Any]:
+    """Two bfloat16/float32 steps of the GPT-style model at ``zero``, then ``summon_full_params()``: the dtypes
+    inside, the masters before and after halving them inside the block, and the dtypes a forward sees after it."""
     import torch
 
     torch.set_num_threads(1)
     model = _gpt()
-    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=3, model=model, buffSize=600,
+    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=zero, model=model, buffSize=600,
                           param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for s in range(2):
         opt.zero_grad()
@@ -202,8 +204,9 @@ def case_summon(rank: int, comm: Any) -> dict[str, Any]:
     return {"inside": inside, "before": before, "after": after, "out": str(out.dtype)}
 
 
-def case_sharded(rank: int, comm: Any, shards: list[bytes] | None, first: int, steps: int) -> dict[str, Any]:
-    """The GPT-style model at ``zero=3``, bfloat16/float32, AdamW; with ``shards`` (every rank's
+def case_sharded(rank: int, comm: Any, shards: list[bytes] | None, first: int, steps: int,
+                 zero: int = 3) -> dict[str, Any]:
+    """The GPT-style model at ``zero`` (1, 2 or 3), bfloat16/float32, AdamW; with ``shards`` (every rank's
     ``opt.state_dict(sharded=True, params=True)``) its weights halved first, then the shards loaded (their
     parameter elements overwrite them); steps ``first .. first+steps-1``. Returns this rank's sharded state and the
     whole parameters."""
@@ -217,7 +220,7 @@ def case_sharded(rank: int, comm: Any, shards: list[bytes] | None, first: int, s
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
-    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=3, model=model, buffSize=600,
+    opt = distopt.DistOpt(_optimizer(model.parameters()), comm=comm, zero=zero, model=model, buffSize=600,
                           param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if shards is not None:
         opt.load_state_dict([torch.load(io.BytesIO(b), weights_only=True) for b in shards])

@@ -15,6 +15,7 @@ from ...sharding.sync import ShardedStep
 from ...step.outcome import Outcome
 from ...step.pipeline import BucketPipeline
 from ..adapter import TorchOptimizer, as_array
+from ..mixed import cast_segments
 from .hooks import ModuleHooks
 from .materialize import MetaBuild
 from .params import ParamShards
@@ -29,15 +30,6 @@ def _changed() -> RuntimeError:
                         "trainable parameters in the held strategy's buckets); this step's differs (requires_grad "
                         "changed, a parameter group added, or another strategy or threshold): keep them fixed, or "
                         "use zero=2")
-
-
-def _to_masters(step: ShardedStep, segments: Sequence[Any]) -> None:
-    """Mixed precision: each reduced segment (``reduce_dtype``) cast to the dtype of the segments it updates (the
-    masters'), as FSDP2 casts the reduce-scatter's output to the parameters' dtype; a no-op where they agree."""
-    for run in step.runs:
-        dtype = as_array(segments[run.index][:0]).dtype
-        if run.segment is not None and run.segment.dtype != dtype:
-            run.segment = run.segment.astype(dtype)
 
 
 class FullyShardedTorchStep(ShardedTorchStep):
@@ -128,8 +120,8 @@ class FullyShardedTorchStep(ShardedTorchStep):
                 raise _changed()
             self._checked = id(plan)
         self.store.free_all()
-        if self.precision is not None and isinstance(pipeline.sync, ShardedStep):
-            _to_masters(pipeline.sync, self.store.segments)
+        if self.precision is not None and isinstance(pipeline.sync, ShardedStep) and self.store.segments:
+            cast_segments(pipeline.sync, as_array(self.store.segments[0][:0]).dtype)  # one dtype: the masters
         super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
 
     def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)

@@ -18,11 +18,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ...core._array import xp_of
 from ...core.buckets import Bucket
 from ...sharding import frame
 from ...sharding.plan import ShardPlan
 from ..adapter import as_array
+from ..mixed import stand_in
 from .precision import MixedPrecision
 
 __all__ = ["ParamShards", "Gathered", "raw_array"]
@@ -376,5 +376,4 @@ class ParamShards:
         """A read-only array of ``tensor``'s full shape holding one element, of its dtype or, with mixed precision,
         the dtype its gradient is reduced in (the engine lays the buckets out by shapes and dtypes)."""
         dtype = tensor.dtype if self.precision is None else self.precision.reduce(tensor.dtype)
-        one = as_array(torch.zeros((), dtype=dtype, device=tensor.device))
-        return xp_of(one).broadcast_to(one, self.shapes.get(id(tensor), tuple(tensor.shape)))
+        return stand_in(tensor, dtype, self.shapes.get(id(tensor), tuple(tensor.shape)))

@@ -1,7 +1,13 @@
-"""Mixed precision of a fully sharded model (``DistOpt(opt, zero=3, model=m, param_dtype=..., reduce_dtype=...)``).
+"""Mixed precision (``DistOpt(opt, zero=0|1|2|3, model=m, param_dtype=..., reduce_dtype=...)``): the policy, and its
+meaning at ``zero=3``.
 
 The meaning of PyTorch FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``fully_shard``'s
-``_fsdp_param.py`` and ``_fsdp_collectives.py``), on :class:`~distopt.torch.zero.params.ParamShards`:
+``_fsdp_param.py`` and ``_fsdp_collectives.py``) at every stage: float32 masters (whole at ``zero=0``, this rank's
+pieces at ``zero=1|2``, its segments at ``zero=3``) that the optimizer steps, forward and backward in ``param_dtype``,
+gradients reduced in ``reduce_dtype``. Below ``zero=3`` the model's parameters hold ``param_dtype`` copies of the
+masters between steps, which a step refreshes (at ``zero=1|2`` the parameters' all-gather moves ``param_dtype``):
+:mod:`distopt.torch.mixed` and :mod:`distopt.torch.zero.mixed_step`. At ``zero=3``, on
+:class:`~distopt.torch.zero.params.ParamShards`:
 
 * the parameters this rank keeps (its segments, the *masters*) stay in their own dtype, float32 typically; the
   optimizer steps them, and its state is in that dtype;
@@ -76,19 +82,20 @@ class MixedPrecision:
         return torch.utils._pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
-def mixed_precision(param_dtype: Any, reduce_dtype: Any, zero: int, torch_optimizer: bool) -> MixedPrecision | None:
+def mixed_precision(param_dtype: Any, reduce_dtype: Any, zero: int,  # noqa: ARG001 (every stage takes it)
+                    torch_optimizer: bool) -> MixedPrecision | None:
     """The policy of ``DistOpt(param_dtype=, reduce_dtype=)``; None when both are None.
 
     Args:
         param_dtype: the dtype of forward, backward and the all-gather (a floating-point ``torch.dtype``) or None.
         reduce_dtype: the dtype of the gradients' reduction (a floating-point ``torch.dtype``) or None.
-        zero: the sharding stage.
+        zero: the sharding stage (every stage takes a policy; ``model=`` is checked by
+            :func:`~distopt.torch.zero.state.torch_sharding`).
         torch_optimizer: DistOpt wraps a ``torch.optim.Optimizer``.
 
     Raises:
         TypeError: an array optimizer (its arrays are the caller's: distopt cannot keep two copies of them).
-        ValueError: a dtype that is not a floating-point ``torch.dtype``; ``zero`` other than 3 (the masters are the
-            segments ``zero=3`` keeps; the other stages keep the parameters in their own dtype).
+        ValueError: a dtype that is not a floating-point ``torch.dtype``.
     """
     if param_dtype is None and reduce_dtype is None:
         return None
@@ -96,11 +103,6 @@ def mixed_precision(param_dtype: Any, reduce_dtype: Any, zero: int, torch_optimi
         raise TypeError("param_dtype= and reduce_dtype= (mixed precision) need a torch.optim.Optimizer inside DistOpt "
                         "and model=; an array optimizer's parameters are the caller's arrays: keep them in the dtype "
                         "to train in")
-    policy = MixedPrecision(None if param_dtype is None else _floating("param_dtype", param_dtype),
-                            None if reduce_dtype is None else _floating("reduce_dtype", reduce_dtype))
-    if zero != 3:
-        raise ValueError(f"param_dtype= and reduce_dtype= (mixed precision, FSDP2's MixedPrecisionPolicy) are "
-                         f"supported with zero=3 only, got zero={zero}: use zero=3 and model=, or leave them out "
-                         "and use torch.autocast")
-    return policy
+    return MixedPrecision(None if param_dtype is None else _floating("param_dtype", param_dtype),
+                          None if reduce_dtype is None else _floating("reduce_dtype", reduce_dtype))
 

@@ -218,20 +218,30 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     """The gradient sink of a torch optimizer's follower at stage ``zero``, and the sharded checkpoint
     state (None at ``zero=0``: the inner optimizer's own ``state_dict`` is the state). At ``zero=3`` a model
     built on the meta device is taken here (:mod:`~distopt.torch.zero.materialize`; ``init``: its modules'
-    initialization instead of ``reset_parameters()``); ``precision``: ``zero=3``'s mixed-precision policy
-    (:mod:`~distopt.torch.zero.precision`), or None.
+    initialization instead of ``reset_parameters()``); ``precision``: the mixed-precision policy
+    (:mod:`~distopt.torch.zero.precision`; below ``zero=3``: :mod:`~distopt.torch.mixed`,
+    :mod:`~distopt.torch.zero.mixed_step`), or None.
 
     Raises:
         ValueError: the optimizer is not elementwise (:func:`check_elementwise`);
             ``zero=2|3`` with ``gradient_as_bucket_view`` (whose buckets keep
             the whole gradient); ``overlap_param_gather`` or ``zero=3``
-            without ``model=``; a meta-built model or ``init`` below ``zero=3``.
+            without ``model=``; a meta-built model or ``init`` below ``zero=3``; ``precision`` without ``model=``
+            or with ``gradient_as_bucket_view``.
     """
     if zero != 3:
         from .materialize import refuse_meta
 
         refuse_meta(model, local, zero, init)
+    if precision is not None and (model is None or bucket_view):
+        raise ValueError("param_dtype=/reduce_dtype= (mixed precision) run forward and backward in param_dtype copies "
+                         "of the model's parameters and cast its inputs, so they need model=your_module, and "
+                         "gradient_as_bucket_view=False (the buckets hold reduce_dtype, not the gradients' dtype)")
     if not zero:
+        if precision is not None:
+            from ..mixed import MixedSink
+
+            return MixedSink(local, model, precision), None
         return GradientSink(), None
     check_elementwise(local.optimizer, zero)
     if zero >= 2 and bucket_view:
@@ -248,6 +258,10 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
 
         shards: ShardedTorchStep = FullyShardedTorchStep(comm, local, model, counters, reshard_after_forward, init,
                                                          precision)
+    elif precision is not None:
+        from .mixed_step import MixedShardedStep
+
+        shards = MixedShardedStep(comm, local, zero, overlap_param_gather, model, precision)
     else:
         shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather and zero < 3:
@@ -259,8 +273,9 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
 
 def stage_options(zero: int, reshard_after_forward: bool, param_dtype: Any, reduce_dtype: Any,
                   local: Any) -> MixedPrecision | None:
-    """Check DistOpt's options that only ``zero=3`` takes against the stage (before any communicator is made);
-    returns the mixed-precision policy of ``param_dtype`` and ``reduce_dtype`` (:func:`mixed_precision`).
+    """Check DistOpt's option that only ``zero=3`` takes (``reshard_after_forward``) against the stage, before any
+    communicator is made; returns the mixed-precision policy of ``param_dtype`` and ``reduce_dtype``, at any stage
+    (:func:`mixed_precision`).
 
     Raises:
         ValueError: ``reshard_after_forward=False`` below ``zero=3``; as :func:`mixed_precision`.

@@ -38,6 +38,7 @@ from .placeholder import is_sharded_grad, sharded_grad
 
 __all__ = ["ShardedTorchStep"]
 
+
 class ShardedTorchStep(GradientSink):
     """A sharded optimizer's gradient sink: shard tensors, the swap of the inner optimizer's groups, and
     the parameter all-gather.
@@ -60,7 +61,7 @@ class ShardedTorchStep(GradientSink):
 
     def __init__(self, comm: Any, local: TorchOptimizer, stage: int, overlap_param_gather: bool) -> None:
         self.comm, self.local, self.stage, self.overlap = comm, local, stage, overlap_param_gather
-        self.swapped = False
+        self.swapped, self.whole_grad = False, stage == 1  # whole_grad: .grad holds the whole average (stage 1)
         self._real: list[list[Any]] = []
         self._key: tuple[Any, ...] | None = None
         self.plan: ShardPlan | None = None
@@ -145,7 +146,7 @@ class ShardedTorchStep(GradientSink):
                     run.segment += held_run.segment
             present = [a or h for a, h in zip(present, had)]
         self._step = step
-        if self.stage == 1:  # the whole average, as zero=0; the shard gradients view it
+        if self.whole_grad:  # the whole average, as zero=0; the shard gradients view it
             super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
         else:
             for t, ok in zip(tensors, present):
@@ -162,8 +163,12 @@ class ShardedTorchStep(GradientSink):
             elif isinstance(step, ShardedStep):
                 s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
             else:
-                s.grad = t.grad.view(-1)[p.start:p.stop]
+                s.grad = self.piece_grad(t, grads[p.index], p)
         self._swap_in()
+
+    def piece_grad(self, tensor: Any, grad: Any, piece: Any) -> Any:  # noqa: ARG002
+        """Stage 1: a piece's averaged gradient, a view into its parameter's ``.grad`` (``grad``: the reduced array)."""
+        return tensor.grad.view(-1)[piece.start:piece.stop]
 
     def _replace_on_backward(self, tensors: Sequence[Any]) -> None:
         """A hook on each tensor (once) that runs before autograd accumulates a new gradient into ``.grad``:
@@ -278,7 +283,7 @@ class ShardedTorchStep(GradientSink):
         every rank's pieces (collective, :class:`~distopt.torch.zero.clip.ShardedClip`).
         Both equal ``zero=0``'s ``clip_grad_norm_`` over ``params`` bitwise on CPU.
         """
-        if self.stage == 1 or not self.swapped or self.plan is None:
+        if self.whole_grad or not self.swapped or self.plan is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
         numels = [int(np.prod(self.shape(t))) for t in self.tensors]
         return self._clip(self.plan, self.tensors, numels, [s.grad for s in self.shards], params, max_norm, norm_type)

@@ -35,6 +35,8 @@ class ParamGather:
             buffers too). False (stage 2) and not ``asynchronous``: buckets without a buffer are packed one after
             another into ONE scratch buffer per dtype, so the gather holds one bucket's bytes at a time.
         spares: where the scratch buffers come from and go back to once the gather completed (None: new ones).
+        flats: per bucket, a flat array of ``bucket.size`` elements that the bucket's parameters are views of (in the
+            bucket's layout), or None: the gather runs on it in place, nothing packed or unpacked (None: none has).
 
     Attributes:
         gathered_bytes: BYTES of the buckets gathered (the buckets' sizes).
@@ -42,9 +44,9 @@ class ParamGather:
 
     def __init__(self, comm: Communicator, runs: Sequence[BucketRun], plan: ShardPlan, params: Sequence[Any],
                  buffers: list[Any], context: Callable[[str], Any], asynchronous: bool, keep: bool = True,
-                 spares: Spares | None = None) -> None:
+                 spares: Spares | None = None, flats: Sequence[Any] | None = None) -> None:
         self.comm, self.runs, self.plan, self.params = comm, list(runs), plan, list(params)
-        self.spares = spares
+        self.spares, self.flats = spares, list(flats) if flats else [None] * len(self.runs)
         self.buffers, self.context, self.asynchronous, self.keep = buffers, context, asynchronous, keep
         self._scratch: dict[Any, Any] = {}
         self.gathered_bytes = 0
@@ -57,10 +59,13 @@ class ParamGather:
         native = getattr(self.comm, "all_gather_into_async", None) if self.asynchronous else None
         for run in reversed(self.runs):
             keep = self.keep and self._dtype(run) == run.bucket.dtype
-            buffer = self.buffers[run.index] if keep else None
-            if buffer is None and not (keep or self.asynchronous):
-                buffer = self._scratch_for(run)
-            flat, viewed = self._pack_own(run, buffer)
+            if self.flats[run.index] is not None:
+                flat, viewed = self.flats[run.index], True
+            else:
+                buffer = self.buffers[run.index] if keep else None
+                if buffer is None and not (keep or self.asynchronous):
+                    buffer = self._scratch_for(run)
+                flat, viewed = self._pack_own(run, buffer)
             if not viewed and keep:
                 self.buffers[run.index] = flat
             self.gathered_bytes += int(flat.nbytes)

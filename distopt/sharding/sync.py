@@ -185,10 +185,11 @@ class PieceUpdate(StepSync):
         local.apply(self.pieces(params), self.piece_grads(grads), [present[p.index] for p in self.plan.pieces])
         self.gather(params, asynchronous=False)
 
-    def gather(self, params: Sequence[Any], asynchronous: bool) -> ParamGather:
-        """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective)."""
+    def gather(self, params: Sequence[Any], asynchronous: bool, flats: Sequence[Any] | None = None) -> ParamGather:
+        """Start (or, not ``asynchronous``, complete) the all-gather of the parameters (collective); ``flats``: as
+        :class:`~distopt.sharding.gather.ParamGather`'s."""
         gather = ParamGather(self.comm, self.runs, self.plan, params, self.buffers, self.context, asynchronous,
-                             keep=self.keeps_buffers, spares=self.spares)
+                             keep=self.keeps_buffers, spares=self.spares, flats=flats)
         gather.start()
         self.counters.gather_bytes += gather.gathered_bytes
         return gather

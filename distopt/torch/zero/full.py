@@ -103,7 +103,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
             if self.tensors[p.index] is tensor and a < b:
                 s.detach()[a - p.start:b - p.start].copy_(values[a - start:b - start])
 
-    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
+    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any], buckets: Sequence[Any]) -> list[Any]:
         """One shard tensor per piece of ``plan``: a 1-D view into this rank's segment of its bucket."""
         return [self.store.segments[p.bucket][p.offset:p.offset + p.size] for p in plan.pieces]
 

@@ -81,7 +81,7 @@ class MixedShardedStep(MixedSpans, ShardedTorchStep):
                                                + sum(int(w.nbytes) for w in self.whole.values()))
         hook_model(self.model, self.precision, self, self.local.handles)
 
-    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
+    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any], buckets: Sequence[Any]) -> list[Any]:
         """Float32 copies of this rank's pieces (the masters), once; without ``param_dtype`` copies, views as at
         stage 1 and 2.
 
@@ -92,7 +92,7 @@ class MixedShardedStep(MixedSpans, ShardedTorchStep):
             raise _changed()
         self._sharded = True
         if not self.copies.tensors:
-            return super().shard_tensors(plan, tensors)
+            return super().shard_tensors(plan, tensors, buckets)
         return [tensors[p.index].detach().reshape(-1)[p.start:p.stop].clone() for p in plan.pieces]
 
     def arrays(self, tensors: Sequence[Any]) -> list[Any]:

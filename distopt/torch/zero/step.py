@@ -34,6 +34,7 @@ from ...step.pipeline import BucketPipeline
 from ..adapter import TorchOptimizer, as_array, as_tensor
 from ..sink import GradientSink
 from .clip import ShardedClip
+from .flat_params import FlatParams
 from .placeholder import is_sharded_grad, sharded_grad
 
 __all__ = ["ShardedTorchStep"]
@@ -74,7 +75,7 @@ class ShardedTorchStep(GradientSink):
         self._unstepped: tuple[ShardedStep, list[bool]] | None = None  # a reduced gradient not stepped yet
         self._cleared: set[int] = set()  # tensors whose placeholder a new backward replaces
         self._parked: dict[int, dict[str, Any]] = {}  # the state of parameters outside the layout (frozen now)
-        self._clip = ShardedClip(comm)
+        self._clip, self._flat = ShardedClip(comm), FlatParams()
         self._planned: Any = None  # the follower's layout of the next step (bind)
 
     def bind(self, follower: Any) -> None:
@@ -85,10 +86,10 @@ class ShardedTorchStep(GradientSink):
         """Bind the layout the next step will use, if none is bound yet (no communication)."""
         if self.plan is None and self._planned is not None:
             tensors, buckets = self._planned()
-            self._bind(plan_shards(buckets, self.comm.rank, self.comm.size), tensors)
+            self._bind(plan_shards(buckets, self.comm.rank, self.comm.size), tensors, buckets)
 
     # ------------------------------------------------------- shard tensors
-    def _bind(self, plan: ShardPlan, tensors: Sequence[Any]) -> None:
+    def _bind(self, plan: ShardPlan, tensors: Sequence[Any], buckets: Sequence[Any]) -> None:
         """Shard tensors for ``plan``'s pieces. A new layout (``requires_grad`` changed, a group added)
         re-shards the state: every rank's pieces are all-gathered (collective: every rank binds the new
         layout at the same step) and each rank takes its new pieces."""
@@ -102,7 +103,7 @@ class ShardedTorchStep(GradientSink):
             for s in self.shards:  # the old shard tensors' state goes with them
                 self.local.optimizer.state.pop(s, None)
         group_of = {id(p): g for g, group in enumerate(self.local.optimizer.param_groups) for p in group["params"]}
-        self.shards = self.shard_tensors(plan, tensors)
+        self.shards = self.shard_tensors(plan, tensors, buckets)
         self._key, self.plan, self.tensors = key, plan, list(tensors)
         self._groups = [group_of[id(tensors[p.index])] for p in plan.pieces]
         if everyone is not None:
@@ -114,8 +115,10 @@ class ShardedTorchStep(GradientSink):
             restore, self.restore = self.restore, None
             restore()
 
-    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any]) -> list[Any]:
-        """One shard tensor per piece of ``plan``: a 1-D view into its parameter."""
+    def shard_tensors(self, plan: ShardPlan, tensors: Sequence[Any], buckets: Sequence[Any]) -> list[Any]:
+        """One shard tensor per piece of ``plan``: a 1-D view into its parameter, laid in its bucket first
+        (:class:`~distopt.torch.zero.flat_params.FlatParams`: the gather then writes the parameters in place)."""
+        self._flat.lay(buckets, tensors)
         return [tensors[p.index].detach().view(-1)[p.start:p.stop] for p in plan.pieces]
 
     def shape(self, tensor: Any) -> tuple[int, ...]:
@@ -136,7 +139,8 @@ class ShardedTorchStep(GradientSink):
         assert isinstance(step, PieceUpdate)
         plan = step.plan
         self.swap_out()
-        self._bind(plan, tensors)
+        self._bind(plan, tensors, step.buckets)
+        self._flat.check()
         present = list(outcome.present)
         held, self._unstepped = self._unstepped, None
         if isinstance(step, ShardedStep) and held is not None and outcome.applies and not skipped:
@@ -188,11 +192,8 @@ class ShardedTorchStep(GradientSink):
     def _swap_in(self) -> None:
         groups = self.local.optimizer.param_groups
         self._real = [group["params"] for group in groups]
-        mine: list[list[Any]] = [[] for _ in groups]
-        for s, g in zip(self.shards, self._groups):
-            mine[g].append(s)
-        for group, shards in zip(groups, mine):
-            group["params"] = shards
+        for g, group in enumerate(groups):
+            group["params"] = [s for s, k in zip(self.shards, self._groups) if k == g]
         self.swapped = True
         self.local.real_groups = self._real
 
@@ -246,7 +247,7 @@ class ShardedTorchStep(GradientSink):
         if not applied or step is None:
             return
         self.wait()
-        self._gather = step.gather([as_array(t) for t in self.tensors], asynchronous=self.overlap)
+        self._gather = step.gather([as_array(t) for t in self.tensors], self.overlap, self._flat.arrays())
 
     def wait(self, tensors: Sequence[Any] | None = None) -> None:
         """Complete the parameter gathers still in flight: all of them, or those holding ``tensors``."""

@@ -18,7 +18,7 @@ from .launch.failfast import install_abort_on_exception
 from .launch.world import World, acquire_comm
 from .sharding.plan import check_sharding
 from .sharding.shard_state import ShardStream
-from .sharding.sync import bucket_sync
+from .sharding.policy import bucket_sync
 from .torch.zero.state import stage_options, torch_sharding
 from .singa import SingaMethods
 from .step.accumulate import GradientAccumulator

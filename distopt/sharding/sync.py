@@ -1,14 +1,14 @@
-"""The bucket sync: what a step does with each reduced bucket, replicated (``zero=0``) or sharded (1, 2).
+"""The step sync: what one step does with each reduced bucket, replicated (``zero=0``) or sharded (1, 2).
 
-The step engine holds one :class:`BucketSync` for its life, chosen by :func:`bucket_sync`; each step's pipeline holds
-the :class:`StepSync` it begins. They are policies: the pipeline and the engine read no flag of a stage, they ask its
-sync (which collective, where its result lands, whether the reduction may settle the step, what the finiteness vote
-covers). Everything that differs between the stages (``zero=0``, 1, 2) is here:
+Each step's pipeline holds the :class:`StepSync` that the engine's policy (:mod:`distopt.sharding.policy`) begins.
+They are policies: the pipeline reads no flag of a stage, it asks its sync (which collective, where its result lands,
+whether the reduction may settle the step, what the finiteness vote covers). What differs between the stages
+(``zero=0``, 1, 2) in a step is here:
 
 * a bucket's collective: an all-reduce in place (0, 1); a reduce-scatter to this rank's segment (2);
 * the reduced bucket: unpacked into the gradients (0, 1); kept as the segment, the bucket's buffer dropped (2);
-* the finiteness vote: only with ``check_finite`` (0, 1); always, carrying the gradient flags (2: each rank sees its
-  segments);
+* the finiteness vote: only with ``check_finite`` (0); always (1, 2: each rank's update reads only its pieces, so
+  ``GradScaler`` must see an overflow in any rank's pieces on every rank);
 * the update: every parameter (0); this rank's pieces, then the parameters' all-gather (1, 2).
 
 Stage 1 keeps the whole averaged gradient on every rank, so whatever reads or edits the gradients between backward
@@ -22,21 +22,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm.base import Communicator, ShardingCommunicator
+from ..comm.base import Communicator
 from ..comm.lifecycle import Completed
 from ..core._array import all_zero, any_not_finite
 from ..core.bucket_run import BucketRun
 from ..core.buckets import Bucket, is_float, unpack
 from ..core.counters import Counters
 from ..core.spares import Spares
-from ..strategies.base import Strategy
 from .gather import ParamGather
-from .plan import ShardPlan, check_strategy, piece_views, plan_shards, shard_grad_views
+from .plan import ShardPlan, piece_views, shard_grad_views
 
-__all__ = ["BucketSync", "ShardedSync", "StepSync", "PieceUpdate", "ShardedStep", "bucket_sync"]
-
-#: Stage 2 and 3: the packing buffers of dropped buckets kept for the next bucket or step (each as large as a bucket).
-SPARE_BUFFERS = 2
+__all__ = ["StepSync", "PieceUpdate", "ShardedStep"]
 
 #: ``agree(bad)``: the all-reduce (max) of one rank's flag; True when some rank's flag is set.
 Vote = Callable[[bool], bool]
@@ -176,9 +172,41 @@ class PieceUpdate(StepSync):
         self.plan, self.buckets, self.buffers, self.pieces = plan, buckets, buffers, pieces
         self.comm, self.context, self.counters = comm, context, counters
 
+    #: Set by :meth:`settle`: some rank's pieces of this step's average are not finite, and the step is not skipped.
+    not_finite = False
+
     def piece_grads(self, grads: Sequence[Any]) -> list[Any]:
         """This rank's pieces of the averaged gradients (1-D views; None where a gradient is None)."""
         return piece_views(self.plan, grads)
+
+    def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
+        """Whether some rank's pieces of the average are not finite (collective, every step): each rank's update
+        reads only its pieces, so an overflow in one rank's pieces must reach every rank's ``GradScaler``."""
+        return self.settle(agree(self.bad_here(grads, present)), check_finite)
+
+    def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:
+        """This rank's vote: whether some element of its pieces of the average is not finite."""
+        return any_not_finite(g for g, p in zip(self.piece_grads(grads), self.plan.pieces)
+                              if g is not None and present[p.index] and is_float(g))
+
+    def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
+        """The vote's result: True skips the step (``check_finite``); else a bad vote sets :attr:`not_finite`, and
+        the torch sink gives every piece a NaN gradient (as stage 2's vote makes every segment NaN)."""
+        self.not_finite = bad_anywhere and not check_finite
+        return bad_anywhere and check_finite
+
+    def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
+                       reduced: Callable[[int], Any], active: bool) -> Any:
+        """Each rank's update reads only its pieces: the outcome and the vote on them settle in one all-reduce
+        (:meth:`~distopt.step.outcome.Agreement.on_reduced`)."""
+        outcome, bad = agreement.on_reduced(params, own, active, self.pending_vote(reduced, len(params)))
+        if self.settle(bad, agreement.check_finite) and not outcome.skipped:
+            agreement.skip(outcome)
+        return outcome
+
+    def pending_vote(self, reduced: Callable[[int], Any], count: int) -> bool:
+        """:meth:`bad_here` of a pending step, ``reduced(i)`` being parameter ``i``'s reduced gradient."""
+        return self.bad_here([reduced(i) for i in range(count)], [True] * count)
 
     def apply(self, local: Any, params: list[Any], grads: list[Any], present: list[bool]) -> None:
         """Update this rank's pieces with their averaged gradients, then all-gather the parameters."""
@@ -223,15 +251,6 @@ class ShardedStep(PieceUpdate):
         """None: a reduce-scatter's result is a new array, the segment."""
         return None
 
-    def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
-                       reduced: Callable[[int], Any], active: bool) -> Any:  # noqa: ARG002
-        """Each rank sees only its own segments: the outcome and the vote on them settle in one all-reduce
-        (:meth:`~distopt.step.outcome.Agreement.on_reduced`)."""
-        outcome, bad = agreement.on_reduced(params, own, active, self.bad_here([], [g is not None for g in own]))
-        if self.settle(bad, agreement.check_finite) and not outcome.skipped:
-            agreement.skip(outcome)
-        return outcome
-
     def launcher(self, b: int) -> Callable[[Any, str], Any]:
         """Bucket ``b``'s collective: a reduce-scatter whose handle's ``wait()`` returns this rank's segment."""
         return self.launch.scatter(self.plan.counts[b])
@@ -252,13 +271,13 @@ class ShardedStep(PieceUpdate):
         run.segment = segment
         return run.flat is not None
 
-    def vote(self, grads: Sequence[Any], present: Sequence[bool], check_finite: bool, agree: Vote) -> bool:
-        """Whether every rank's segments are finite (collective, always); see :meth:`settle`."""
-        return self.settle(agree(self.bad_here(grads, present)), check_finite)
-
     def bad_here(self, grads: Sequence[Any], present: Sequence[bool]) -> bool:  # noqa: ARG002
         """This rank's vote: whether some element of its segments is not finite."""
         return any_not_finite(self._landed())
+
+    def pending_vote(self, reduced: Callable[[int], Any], count: int) -> bool:  # noqa: ARG002
+        """:meth:`bad_here`: the segments hold the reduced values."""
+        return self.bad_here([], [])
 
     def settle(self, bad_anywhere: bool, check_finite: bool) -> bool:
         """The vote's result: True skips the step (``check_finite``); without ``check_finite`` a bad vote sets every
@@ -276,92 +295,3 @@ class ShardedStep(PieceUpdate):
     def held_bytes(self) -> int:
         """BYTES of the segments (each in memory of its own, see :func:`_own`) and of the kept buffers."""
         return sum(int(s.nbytes) for s in self._landed()) + (0 if self.spares is None else self.spares.held_bytes)
-
-
-class BucketSync:
-    """The replicated stage (``zero=0``): the engine's policy for its layouts and steps."""
-
-    stage = 0
-
-    def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
-        """Whether the step header may leave which gradients exist to the reduced values (a pending step,
-        :meth:`StepSync.settle_pending`): replicated, when the reduced values are bitwise equal on every rank (the
-        strategy keeps replicas identical, NumPy arrays) and nothing must be checked first."""
-        return not check_finite and strategy.identical_replicas and all(isinstance(p, np.ndarray) for p in params)
-
-    def check(self, strategy: Strategy) -> None:
-        """Refuse a strategy this stage cannot run (see :func:`~distopt.sharding.plan.check_strategy`)."""
-        check_strategy(self.stage, strategy)
-
-    def describe(self) -> dict[str, Any]:
-        """The setting every rank must agree on (part of the step header's digest)."""
-        return {"zero": self.stage}
-
-    def plan(self, buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan | None:  # noqa: ARG002
-        """The shard plan of a new layout (None: replicated)."""
-        return None
-
-    def buffers(self, layout_buffers: list[Any]) -> list[Any]:
-        """The packing buffers a step may use (per bucket; None: none yet): the layout's, kept from step to step."""
-        return layout_buffers
-
-    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: list[Any],
-              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> StepSync:  # noqa: ARG002
-        """The :class:`StepSync` of one step."""
-        return StepSync(launch)
-
-
-class ShardedSync(BucketSync):
-    """A sharded stage (``zero=1|2|3``, ZeRO): update this rank's pieces, then all-gather.
-
-    Args:
-        stage: 1 (optimizer state: gradients all-reduced), 2 (and gradients: reduce-scattered, each bucket's buffer
-            dropped once reduced) or 3 (reduced as 2; the model's hooks gather the parameters).
-    """
-
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
-        self.spares = Spares(SPARE_BUFFERS) if stage >= 2 else None
-        self._pieces: tuple[Any, list[Any]] | None = None
-
-    def reduction_settles(self, check_finite: bool, strategy: Strategy, params: Sequence[Any]) -> bool:
-        """Stage 1 as the replicated stage; stage 2 and 3 always (their vote on the segments, taken at every
-        step, carries the gradient flags)."""
-        return self.stage >= 2 or super().reduction_settles(check_finite, strategy, params)
-
-    def _views(self, plan: ShardPlan, params: list[Any]) -> list[Any]:
-        key = (id(plan), tuple(id(p) for p in params))
-        if self._pieces is None or self._pieces[0] != key:  # made once per layout and parameter list
-            self._pieces = (key, piece_views(plan, params))
-        return self._pieces[1]
-
-    def plan(self, buckets: Sequence[Bucket], rank: int, size: int) -> ShardPlan:
-        """Split every bucket over the ranks (:func:`~distopt.sharding.plan.plan_shards`)."""
-        return plan_shards(buckets, rank, size)
-
-    def buffers(self, layout_buffers: list[Any]) -> list[Any]:
-        """Stage 2: a bucket's buffer lives only until its reduce-scatter completes (new ones per step)."""
-        return [None] * len(layout_buffers) if self.stage >= 2 else layout_buffers
-
-    def begin(self, launch: Any, plan: ShardPlan | None, buckets: Sequence[Bucket], buffers: list[Any],
-              comm: Communicator, context: Callable[[str], Any], counters: Counters) -> PieceUpdate:
-        assert plan is not None
-        kind = ShardedStep if self.stage >= 2 else PieceUpdate
-        step = kind(launch, plan, buckets, buffers, comm, context, counters, lambda params: self._views(plan, params))
-        step.spares = self.spares
-        return step
-
-
-def bucket_sync(zero: int, comm: Communicator) -> BucketSync:
-    """The bucket sync of stage ``zero`` (validated by :func:`~distopt.sharding.plan.check_stage`).
-
-    Raises:
-        ValueError: ``zero`` is 1 or 2 and ``comm`` lacks ``reduce_scatter``, ``all_gather_into`` or ``all_to_all``
-            (:class:`~distopt.comm.base.ShardingCommunicator`).
-    """
-    if not zero:
-        return BucketSync()
-    if not isinstance(comm, ShardingCommunicator):
-        raise ValueError(f"zero={zero} needs a communicator with reduce_scatter, all_gather_into and all_to_all "
-                         f"(distopt.comm.base.ShardingCommunicator); {type(comm).__name__} lacks them")
-    return ShardedSync(zero)

@@ -22,7 +22,7 @@ from ..core.counters import Counters
 from ..errors import CollectiveMismatchError
 from ..sharding import frame
 from ..sharding.plan import ShardPlan
-from ..sharding.sync import BucketSync
+from ..sharding.policy import BucketSync
 from ..strategies.base import GradientStrategy
 from ..comm.consensus import digest
 from .agreement import GroupSettings, check_same, shadow_settings
@@ -62,7 +62,7 @@ class Engine:
         counters: the counters to update (``DistOpt.stats``).
         divide_by_initial_world_size: while some ranks have joined, divide the sum by the world size (PyTorch DDP's
             default: joined ranks contribute zeros); False divides by the ranks that contributed.
-        sync: what the step does with each bucket's reduction (:mod:`distopt.sharding.sync`): all-reduce (the
+        sync: what the step does with each bucket's reduction (:mod:`distopt.sharding.policy`): all-reduce (the
             default) or, sharded, reduce-scatter.
     """
 

@@ -12,7 +12,7 @@ import pytest
 
 import distopt
 from distopt.sharding.plan import plan_shards
-from distopt.sharding.sync import SPARE_BUFFERS
+from distopt.sharding.policy import SPARE_BUFFERS
 from distopt.core.buckets import plan_buckets
 from tests.support import zero_cases as cases
 from tests.support.backends import run_case, tiered

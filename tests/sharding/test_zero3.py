@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import distopt
-from distopt.sharding.sync import SPARE_BUFFERS
+from distopt.sharding.policy import SPARE_BUFFERS
 from tests.support import zero3_cases as cases3
 from tests.support import zero_cases as cases
 from tests.support.backends import run_case, tiered

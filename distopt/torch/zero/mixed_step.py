@@ -24,7 +24,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ...core._array import any_not_finite
 from ...core.bucket_run import BucketRun
 from ...sharding.gather import ParamGather
 from ...sharding.plan import ShardPlan
@@ -116,17 +115,12 @@ class MixedShardedStep(MixedSpans, ShardedTorchStep):
     def adopt(self, pipeline: Any, tensors: Sequence[Any], grads: Sequence[Any], outcome: Any, skipped: bool,
               shadow: bool, views: Sequence[Any] | None) -> None:
         """Stage 2: each reduced segment cast to the masters' dtype; then the sharded adoption (placeholders, shard
-        gradients). Stage 1: a non-finite average anywhere makes every shard gradient NaN (as stage 2's vote), so
-        ``GradScaler`` skips the step on every rank, not only on those whose pieces hold it."""
+        gradients)."""
         if isinstance(pipeline.sync, ShardedStep) and self.copies.master_dtype is not None:
             import torch
 
             cast_segments(pipeline.sync, as_array(torch.empty(0, dtype=self.copies.master_dtype)).dtype)
         super().adopt(pipeline, tensors, grads, outcome, skipped, shadow, views)
-        if self.stage == 1 and self.swapped and any_not_finite(g for g in grads if g is not None):
-            for s in self.shards:  # every rank holds the whole average: each sees what GradScaler must see
-                if s.grad is not None:
-                    s.grad.fill_(float("nan"))
 
     def piece_grad(self, tensor: Any, grad: Any, piece: Any) -> Any:
         """Stage 1: a piece of the averaged ``reduce_dtype`` copy, cast to the masters' dtype."""

@@ -12,7 +12,7 @@ from .placeholder import check_elementwise
 from .precision import MixedPrecision, mixed_precision
 from .step import ShardedTorchStep
 
-__all__ = ["ShardedState", "torch_sharding", "stage_options"]
+__all__ = ["ShardedState", "torch_sharding", "stage_options", "wait_hooks"]
 
 
 class ShardedState:
@@ -265,7 +265,7 @@ def torch_sharding(zero: int, comm: Any, local: TorchOptimizer, overlap_param_ga
     else:
         shards = ShardedTorchStep(comm, local, zero, overlap_param_gather)
     if overlap_param_gather and zero < 3:
-        local.handles.extend(shards.hook_model(model))
+        local.handles.extend(wait_hooks(model, shards.wait))
     state = ShardedState(shards, comm, lambda: counters.steps)
     state.adopt_existing()
     return shards, state
@@ -285,3 +285,15 @@ def stage_options(zero: int, reshard_after_forward: bool, param_dtype: Any, redu
         raise ValueError(f"reshard_after_forward=False keeps zero=3's gathered parameters from forward to "
                          f"backward; with zero={zero} the parameters are never freed: drop it, or use zero=3")
     return mixed_precision(param_dtype, reduce_dtype, zero, isinstance(local, TorchOptimizer))
+
+
+def wait_hooks(model: Any, wait: Callable[..., None]) -> list[Any]:
+    """``overlap_param_gather`` at ``zero=1|2``: forward pre-hooks on every module of ``model`` that owns parameters,
+    each calling ``wait(its own parameters)`` (the gathers holding them complete), and a ``model.state_dict()``
+    pre-hook calling ``wait()`` (all of them). Returns the hook handles."""
+    handles = [model.register_state_dict_pre_hook(lambda *args, **kwargs: wait())]
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            handles.append(module.register_forward_pre_hook(lambda m, args, own=own: wait(own)))
+    return handles

@@ -49,7 +49,7 @@ class ShardedTorchStep(GradientSink):
         local: the torch local optimizer.
         stage: 1 or 2.
         overlap_param_gather: leave each bucket's gather in flight until the
-            next forward reaches its parameters (see :meth:`hook_model`).
+            next forward reaches its parameters (:func:`~distopt.torch.zero.state.wait_hooks`).
 
     Attributes:
         swapped: the inner optimizer's groups hold the shard tensors now.
@@ -168,6 +168,9 @@ class ShardedTorchStep(GradientSink):
                 s.grad = as_tensor(step.segments[p.bucket])[p.offset:p.offset + p.size]
             else:
                 s.grad = self.piece_grad(t, grads[p.index], p)
+        if step.not_finite:  # stage 1: an overflow in some rank's pieces reaches every rank's GradScaler
+            for s in self.shards:
+                s.grad = None if s.grad is None else s.grad.new_full(s.grad.shape, float("nan"))
         self._swap_in()
 
     def piece_grad(self, tensor: Any, grad: Any, piece: Any) -> Any:  # noqa: ARG002
@@ -262,17 +265,6 @@ class ShardedTorchStep(GradientSink):
                 gather.wait(b)
         if not gather.pending:
             self._gather = None
-
-    def hook_model(self, model: Any) -> list[Any]:
-        """Forward pre-hooks on every module of ``model`` that owns parameters: each waits for the
-        gathers of its own parameters (``overlap_param_gather``); ``model.state_dict()`` waits for all.
-        Returns the hook handles."""
-        handles = [model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())]
-        for module in model.modules():
-            own = list(module.parameters(recurse=False))
-            if own:
-                handles.append(module.register_forward_pre_hook(lambda m, args, own=own: self.wait(own)))
-        return handles
 
     # ---------------------------------------------------------- clipping
     def clip_grad_norm_(self, params: Sequence[Any], max_norm: float, norm_type: float = 2.0) -> Any:

@@ -313,3 +313,37 @@ def test_gpu_check_runs_end_to_end_on_the_standin(tmp_path):
             assert s["bitwise"] and s["backend"] == backend, (part, key, s)
     assert data["nccl_w1"]["strategies"]["dense"]["host_syncs_per_step"] == 0
     assert data["timing"]["numpy_ms"] > 0 and data["timing"]["cupy_nccl_ms"] > 0
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.job
+def test_fits_benchmark_smoke(tmp_path):
+    """``benchmarks/fits.py`` at W = 4 on an 8.4M-parameter GPT. With float32 parameters + AdamW at 1.5x the
+    per-rank cap, DDP runs out of memory inside the cap (the worker catches the refused allocation and reports
+    it); under a cap 1/0.3 of them, meta-built ``zero=3`` trains within it, its last loss within float32
+    rounding of the one-process reference, gathering twice and reducing once the float32 model per step; and
+    the elastic part (torchrun --nnodes 1, one worker SIGKILLed) recovers inside the same cap and ends bitwise
+    equal to its uninterrupted run."""
+    pytest.importorskip("torch")
+    gpt = ["--gpt", "4096,256,4,8,32,2", "--steps", "2"]
+    tight, loose = tmp_path / "tight.json", tmp_path / "loose.json"
+    res = subprocess.run([sys.executable, str(BENCH / "fits.py"), *gpt, "--variants", "ddp", "--ratio", "1.5",
+                          "--no-elastic", "--timeout", "150", "--out", str(tight)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ddp = _load(tight, "fits")["results"]["ddp"]
+    assert ddp["status"] == "oom" and ddp["where"] in ("build", "step 1"), ddp
+    assert "allocate memory" in ddp["error"] or ddp["error"].startswith("MemoryError"), ddp
+    res = subprocess.run([sys.executable, str(BENCH / "fits.py"), *gpt, "--variants", "zero3", "--ratio", "0.3",
+                          "--elastic-steps", "6", "--every", "2", "--kill-after-step", "3", "--timeout", "150",
+                          "--out", str(loose)], cwd=ROOT, capture_output=True, text=True, timeout=260)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = _load(loose, "fits")
+    z3, params = data["results"]["zero3"], data["params"]
+    assert z3["status"] == "ok" and 0 < z3["peak_growth_mib"] <= z3["cap_mib"], z3
+    assert abs(z3["loss_diff"]) < 1e-4 and z3["s_per_step"] > 0, z3
+    assert z3["gather_bytes"] == 8 * params and z3["reduce_bytes"] == 4 * params, z3
+    el = data["elastic"]
+    assert el["status"] == "ok" and el["killed"] and el["exit"] == 0, el
+    assert el["bitwise"] and el["losses_equal"] and el["steps_redone"] == 1, el
+    assert 0 < el["restored_s"] <= el["recovery_s"] and el["peak_growth_mib"] <= el["cap_mib"], el

@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import DistOptError
@@ -136,7 +137,7 @@ def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> tu
 
 
 def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: list[Any],
-           after_commit: Callable[[], None] | None) -> Callable[[int, bytes], None]:
+           after_commit: Callable[[], None] | None) -> Callable[[int, bytes], Path | None]:
     """What stores each commit (collective): with one part, every agent's writer stores it; with one part per
     rank, each rank stores its own and, where the job spans several nodes, every part is broadcast and each
     node's writer (its lowest rank) stores the parts of the other nodes' ranks, so any one node can restore
@@ -146,15 +147,19 @@ def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: 
     node_writer = nodes.index(nodes[rank]) == rank
     several = len(set(nodes)) > 1
 
-    def store(seq: int, part: bytes) -> None:
+    def store(seq: int, part: bytes) -> Path | None:
         parts = state.parts()
         errors: list[str] = []
+        own: list[Path] = []
 
         def write(k: int, raw: bytes) -> None:
             try:
-                snapshots.write(seq, k, parts, raw)
+                path = snapshots.write(seq, k, parts, raw)
             except OSError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            if parts == 1 or k == rank:  # this rank's own part
+                own.append(path)
 
         if parts == 1 and writer:
             write(0, part)
@@ -171,8 +176,11 @@ def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: 
                           "; ".join(f"on rank {r}: {e[0]}" for r, e in failed))
         if writer:
             snapshots.prune(seq)
+        if parts == 1 and not own:  # this node's writer stored the one part
+            own = list(snapshots.held().get((seq, 1), {}).values())
         if after_commit is not None:
             after_commit()
+        return own[0] if own else None
 
     return store
 

@@ -11,6 +11,7 @@ No rank ever serialises, holds or loads the whole sharded state: a restore strea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint import dumps, loads
@@ -110,11 +111,14 @@ class State:
         optimizer's shard and each other object's ``state_dict()``, serialised once, and the writes to tmpfs
         (``benchmarks/elastic.py`` prints it)."""
         seq = self.commits + 1
+        if self._store is not None:  # the store holds the last commit: one part in memory at a time, not two
+            object.__setattr__(self, "_committed", None)
         part = self._part(seq)
         object.__setattr__(self, "commits", seq)
         object.__setattr__(self, "_committed", part)
-        if self._store is not None:
-            self._store(seq, part)
+        kept = self._store(seq, part) if self._store is not None else None
+        if kept is not None:  # the part's file: restore() reads it back
+            object.__setattr__(self, "_committed", kept)
 
     def restore(self) -> None:
         """Load the last commit back (the objects in place, the values replaced), at the same world size.
@@ -125,7 +129,8 @@ class State:
         if self._committed is None:
             raise RuntimeError("distopt.elastic.State.restore: nothing was committed yet (call state.commit())")
         part = self._committed
-        self.load(self.commits, self._rank(), self.parts(), lambda: iter([part]), own=True)
+        raw = part.read_bytes() if isinstance(part, Path) else part
+        self.load(self.commits, self._rank(), self.parts(), lambda: iter([raw]), own=True)
 
     def _rank(self) -> int:
         opts = self.sharded()
@@ -249,8 +254,10 @@ class State:
                 obj.load_state_dict(state_dict[name])
         self._values.update(state_dict.get("values", {}))
 
-    def _attach(self, store: Callable[[int, bytes], None] | None) -> None:
-        """Under :func:`~distopt.elastic.run`: what stores each commit's part (collective on every rank)."""
+    def _attach(self, store: Callable[[int, bytes], Path | None] | None) -> None:
+        """Under :func:`~distopt.elastic.run`: what stores each commit's part (collective on every rank); it returns
+        the file holding this rank's own part, if it wrote one (:meth:`restore` then reads it, not a copy kept in
+        memory)."""
         object.__setattr__(self, "_store", store)
 
     def _reset(self) -> None:

@@ -132,6 +132,38 @@ def test_state_commit_restore_round_trip_is_a_copy() -> None:
     assert (state.epoch, state.step, sampler.processed, state.commits) == (0, 4, 0, 1)
 
 
+def test_a_stored_commit_is_restored_from_its_file_and_no_earlier_part_is_held_while_the_next_is_made(
+        tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    state = State(model=model, step=0)
+    seen = []
+
+    def store(seq: int, part: bytes) -> Path:
+        seen.append(state._committed is part)
+        path = tmp_path / f"commit-{seq}"
+        path.write_bytes(part)
+        return path
+
+    made = State._part
+
+    def part(seq: int) -> bytes:
+        seen.append(state._committed is None)  # nothing of the previous commit held while this one is made
+        return made(state, seq)
+
+    object.__setattr__(state, "_part", part)
+    state._attach(store)
+    state.commit()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    state.step = 1
+    state.commit()
+    assert seen == [True] * 4 and state._committed == tmp_path / "commit-2"  # a path, not the bytes
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state.step = 5
+    state.restore()
+    assert state.step == 1 and all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
 def test_state_errors() -> None:
     with pytest.raises(RuntimeError, match="nothing was committed yet"):
         State(epoch=0).restore()

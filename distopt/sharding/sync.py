@@ -58,6 +58,11 @@ class StepSync:
         launch: starts an all-reduce, ``launch(array, op)`` (the pipeline's launcher).
     """
 
+    #: A bucket's result lands in the gradients (:meth:`land`): the caller keeps each gradient until the step's end.
+    #: False (a sharded step): a gradient is never read again once packed in its bucket, and the caller may drop it
+    #: then (the pipeline remembers that it had one, :meth:`~distopt.step.pipeline.BucketPipeline.own`).
+    lands_in_gradients = True
+
     def __init__(self, launch: Any) -> None:
         self.launch = launch
 
@@ -80,7 +85,7 @@ class StepSync:
         """A dropped bucket's packing buffer (from :meth:`new_buffer`), no longer read or written by anyone."""
 
     def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
-                       reduced: Callable[[int], Any], active: bool) -> Any:
+                       reduced: Callable[[int], Any], active: bool, had: Sequence[bool] | None = None) -> Any:
         """The outcome of a step the header left pending, once its buckets are finished (the reduced values
         are bitwise equal on every rank): every float gradient present when none reduced to all zeros, else
         the gradient flags' all-reduce from this rank's own gradients.
@@ -88,13 +93,14 @@ class StepSync:
         Args:
             agreement: the step's :class:`~distopt.step.outcome.Agreement`.
             params: the step's parameters.
-            own: this rank's own gradients (None where it had none).
+            own: this rank's own gradients (None where it had none, or dropped one once packed).
             reduced: ``reduced(i)``: parameter ``i``'s reduced gradient.
             active: this rank steps (not a joined rank's shadow).
+            had: per parameter, whether this rank had a gradient (None: where ``own`` is not None).
         """
         for i, p in enumerate(params):
             if is_float(p) and all_zero(reduced(i)):
-                return agreement.on_gradients(params, own, active)
+                return agreement.on_gradients(params, own, active, None, had)
         return agreement.all_present(params)
 
     def poll(self, run: BucketRun) -> Any:  # noqa: ARG002 (nothing to release)
@@ -196,10 +202,10 @@ class PieceUpdate(StepSync):
         return bad_anywhere and check_finite
 
     def settle_pending(self, agreement: Any, params: Sequence[Any], own: Sequence[Any],
-                       reduced: Callable[[int], Any], active: bool) -> Any:
+                       reduced: Callable[[int], Any], active: bool, had: Sequence[bool] | None = None) -> Any:
         """Each rank's update reads only its pieces: the outcome and the vote on them settle in one all-reduce
         (:meth:`~distopt.step.outcome.Agreement.on_reduced`)."""
-        outcome, bad = agreement.on_reduced(params, own, active, self.pending_vote(reduced, len(params)))
+        outcome, bad = agreement.on_reduced(params, own, active, self.pending_vote(reduced, len(params)), had)
         if self.settle(bad, agreement.check_finite) and not outcome.skipped:
             agreement.skip(outcome)
         return outcome
@@ -228,6 +234,7 @@ class ShardedStep(PieceUpdate):
     bucket's buffer once its reduce-scatter has completed. Args: as :class:`PieceUpdate`."""
 
     keeps_buffers = False  # a bucket's buffer lives for one reduction; the gather packs into one scratch
+    lands_in_gradients = False  # the segments hold the result
 
     def new_buffer(self, size: int, dtype: Any, new: Callable[[int], Any]) -> Any:
         """A kept buffer that fits (see :class:`~distopt.core.spares.Spares`), else ``new(size)``."""

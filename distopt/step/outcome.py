@@ -80,30 +80,36 @@ class Agreement:
         return self.comm.size if self.divide_by_initial_world_size else outcome.active
 
     def on_gradients(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
-                     settled: Outcome | None = None) -> Outcome:
+                     settled: Outcome | None = None, had: Sequence[bool] | None = None) -> Outcome:
         """Per parameter, whether some rank has a gradient; how many ranks are active (not joined); whether any rank saw
         a non-finite gradient (only with ``check_finite``). ``settled``: the outcome the step header already agreed on
-        (no collective then); None runs one small all-reduce (``len(params) + 2`` int32 flags)."""
+        (no collective then); None runs one small all-reduce (``len(params) + 2`` int32 flags). ``had``: per parameter,
+        whether this rank has a gradient (None: where ``grads`` is not None; a gradient dropped once packed in its
+        bucket is None in ``grads``, and its finiteness is then the sharded step's vote on the reduced segments')."""
         if settled is None:
-            return self._flags(params, grads, active, None)[0]
+            return self._flags(params, grads, active, None, had)[0]
         if settled.skipped:
             self.counters.skipped_steps += 1
         return Outcome(list(settled.present), settled.active, settled.skipped)
 
-    def on_reduced(self, params: Sequence[Any], grads: Sequence[Any], active: bool, bad: bool) -> tuple[Outcome, bool]:
+    def on_reduced(self, params: Sequence[Any], grads: Sequence[Any], active: bool, bad: bool,
+                   had: Sequence[bool] | None = None) -> tuple[Outcome, bool]:
         """:meth:`on_gradients` and :meth:`vote` in one all-reduce, after the reduction (``grads``: this rank's own
-        gradients, None where it had none; ``bad``: this rank's vote on its reduced values). Returns the outcome and
-        whether some rank's ``bad`` was set (``len(params) + 3`` int32 flags)."""
-        return self._flags(params, grads, active, bad)
+        gradients, None where it had none; ``bad``: this rank's vote on its reduced values; ``had``: as in
+        :meth:`on_gradients`). Returns the outcome and whether some rank's ``bad`` was set (``len(params) + 3`` int32
+        flags)."""
+        return self._flags(params, grads, active, bad, had)
 
     def _flags(self, params: Sequence[Any], grads: Sequence[Any], active: bool,
-               bad: bool | None) -> tuple[Outcome, bool]:
+               bad: bool | None, had: Sequence[bool] | None) -> tuple[Outcome, bool]:
         """The flags' all-reduce (sum): gradient present per parameter, active, not finite (with ``check_finite``),
         and, when ``bad`` is given, the vote on the reduced values; counts a skipped step."""
         extra = bad is not None
         flags = np.zeros(len(params) + 2 + extra, dtype=np.int32)
-        for i, (p, g) in enumerate(zip(params, grads)):
-            flags[i] = g is not None and is_float(p)
+        if had is None:
+            had = [g is not None for g in grads]
+        for i, (p, h) in enumerate(zip(params, had)):
+            flags[i] = h and is_float(p)
         n = len(params)
         flags[n] = int(active)
         if self.check_finite and active:

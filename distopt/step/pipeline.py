@@ -64,6 +64,7 @@ class BucketPipeline:
         self.runs = [BucketRun(b, bucket, len(bucket.slots)) for b, bucket in enumerate(buckets)]
         self.where = {s.index: (self.runs[b], s) for b, bucket in enumerate(buckets) for s in bucket.slots}
         self.marked: set[int] = set()
+        self.had: set[int] = set()  # packed gradients that were not None (the caller may have dropped them since)
         self.next = 0
         self.settled = settled
         self.sync = StepSync(launch) if sync is None else sync
@@ -104,12 +105,15 @@ class BucketPipeline:
         if not run.viewed or (self.bucket_view and grad is None):
             put(run.flat, s, grad)
         self.marked.add(index)
+        if grad is not None:
+            self.had.add(index)
         run.missing -= 1
 
-    def ready(self, index: int, grad: Any) -> None:
-        """Gradient of parameter ``index`` is final: pack it, start complete buckets in order."""
+    def ready(self, index: int, grad: Any) -> bool:
+        """Gradient of parameter ``index`` is final: pack it, start complete buckets in order. Returns whether it was
+        packed now (False: packed before, or in no float bucket)."""
         if index in self.marked or index not in self.where:
-            return
+            return False
         self._put(index, grad)
         while self.next < len(self.runs) and self.runs[self.next].missing == 0:
             self._start(self.runs[self.next])
@@ -118,6 +122,7 @@ class BucketPipeline:
             if test is not None:  # MPI needs test() calls to progress a reduction while backward runs
                 test()
             self._poll(run)
+        return True
 
     def _poll(self, run: BucketRun) -> None:
         """When the step's sync holds a started bucket's result (:meth:`~distopt.sharding.sync.StepSync.poll`), let
@@ -149,10 +154,11 @@ class BucketPipeline:
         agreement, settled = self.agreement, self.settled
         if settled is not None and not settled.applies:  # skipped before any reduction
             return agreement.on_gradients(self.params, grads, active, settled)
+        had = self.own(grads)
         self.launch_rest(grads)
         if isinstance(settled, Pending):
-            return self._settle_from_reduced(grads, active)
-        outcome = agreement.on_gradients(self.params, grads, active, settled)
+            return self._settle_from_reduced(grads, active, had)
+        outcome = agreement.on_gradients(self.params, grads, active, settled, had)
         if not outcome.applies:
             self.abandon()
             return outcome
@@ -161,12 +167,18 @@ class BucketPipeline:
             agreement.skip(outcome)
         return outcome
 
-    def _settle_from_reduced(self, grads: list[Any], active: bool) -> Outcome:
+    def own(self, grads: Sequence[Any]) -> list[bool]:
+        """Per parameter, whether this rank has its gradient: in ``grads``, or packed already (a sharded step's caller
+        drops a gradient once packed, :attr:`~distopt.sharding.sync.StepSync.lands_in_gradients`)."""
+        return [g is not None or i in self.had for i, g in enumerate(grads)]
+
+    def _settle_from_reduced(self, grads: list[Any], active: bool, had: list[bool]) -> Outcome:
         """Finish a pending step's buckets (nobody joined: divided by the world size), then let the step's sync settle
         its outcome from the reduced values (:meth:`~distopt.sharding.sync.StepSync.settle_pending`)."""
-        own = list(grads)  # this rank's own gradients (None where it had none)
+        own = list(grads)  # this rank's own gradients (None where it had none or dropped one packed: ``had``)
         self.finish(grads, self.comm.size)
-        return self.sync.settle_pending(self.agreement, self.params, own, lambda i: self._reduced(i, grads), active)
+        return self.sync.settle_pending(self.agreement, self.params, own, lambda i: self._reduced(i, grads), active,
+                                        had)
 
     def _reduced(self, i: int, grads: list[Any]) -> Any:
         """Parameter ``i``'s reduced gradient: ``grads[i]``, or a bucket view's slot (never unpacked)."""

@@ -126,7 +126,8 @@ class Follower:
                 if self.views is not None:
                     self.views.adopt(param, index)
                 with torch_stream(param):  # CUDA: on torch's current stream
-                    pipeline.ready(index, as_array(param.grad))
+                    if pipeline.ready(index, as_array(param.grad)):
+                        self.sink.packed(param, pipeline)  # zero=2|3: .grad dropped once packed
 
     def _place(self, task: int) -> bool:
         """A hook of graph task ``task``, which is not the followed backward's: returns whether it is a nested

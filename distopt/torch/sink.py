@@ -52,6 +52,15 @@ class GradientSink:
             elif shadow:
                 t.grad.copy_(as_tensor_like(g, t).reshape(t.grad.shape))
 
+    def packed(self, tensor: Any, pipeline: BucketPipeline) -> None:
+        """A synchronizing backward packed ``tensor.grad`` into its bucket (at its hook). Here nothing: the average
+        lands in ``.grad``. Where the step's sync says a result never lands in the gradients
+        (:attr:`~distopt.sharding.sync.StepSync.lands_in_gradients` False: ``zero=2|3``), the gradient is dropped now
+        (``.grad`` None; the pipeline keeps that it had one), as FSDP frees each unsharded gradient once reduced: the
+        packing copy is queued on the gradient's stream, so its memory is reused only after it."""
+        if not pipeline.sync.lands_in_gradients:
+            tensor.grad = None
+
     def reduced_into(self, grads: list[Any]) -> list[Any]:
         """The arrays a step's reduction averages into, from this rank's gradient arrays ``grads`` (None where it has
         none): ``grads`` themselves here; mixed precision's sinks give copies in ``reduce_dtype``."""

@@ -268,10 +268,11 @@ def test_steady_state_costs_two_all_gathers_and_the_header():
 
 @pytest.mark.unit
 def test_zero_and_bucket_views_densify_sparse_gradients():
-    """zero=1 and gradient_as_bucket_view=True average sparse gradients densely (as sparse_as_dense)."""
+    """zero=1|2 and gradient_as_bucket_view=True average sparse gradients densely (as sparse_as_dense); zero=2 drops
+    each densified gradient once packed."""
     def rank_fn(rank: int, comm: Any, how: str) -> list[Any]:
         emb, lin, params = build("sgd_mixed")
-        kwargs = {"zero": 1} if how == "zero" else {"gradient_as_bucket_view": how == "views"}
+        kwargs = {"zero": int(how[4:])} if how.startswith("zero") else {"gradient_as_bucket_view": how == "views"}
         opt = DistOpt(torch.optim.SGD(params, lr=0.1), comm=comm, **kwargs)
         for s in range(3):
             opt.zero_grad()
@@ -282,7 +283,7 @@ def test_zero_and_bucket_views_densify_sparse_gradients():
         return [p.detach().clone() for p in params]
 
     sparse = run_case("sim", 2, rank_fn, "sparse")[0]
-    for how in ("zero", "views"):
+    for how in ("zero1", "zero2", "views"):
         for got in run_case("sim", 2, rank_fn, how):
             for a, b in zip(got, sparse):
                 torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)

@@ -16,7 +16,8 @@ After the reduction, ``.grad`` of a parameter holds:
   gradient lives only in this rank's segments, and any use of the placeholder raises an error naming
   ``opt.clip_grad_norm_`` (the global norm over every rank's shard). It is None again after ``step()`` and
   ``zero_grad()``. Another backward before ``step()`` accumulates: outside ``no_sync()`` its reduce-scatter adds
-  to the held segments (FSDP's accumulation), inside it sums locally in ``.grad``.
+  to the held segments (FSDP's accumulation), inside it sums locally in ``.grad``. During a backward outside
+  ``no_sync()``, ``.grad`` is None once packed in its bucket (:meth:`~distopt.torch.sink.GradientSink.packed`).
 """
 from __future__ import annotations
 

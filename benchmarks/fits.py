@@ -22,9 +22,8 @@ heap: ``VmData`` then measures its cache, not the live memory).
 **What bounds R for ``zero=3``.** At rest a rank holds 16·P/W BYTES (float32 segment, two AdamW moments,
 float32 gradient segment): at W = 4 that is 4·P, one third of 12·P, so R = 3 leaves nothing for the
 gathered modules, the gradient buckets, the activations and the process's own growth (threads, allocator,
-autograd: 30-75 MiB here). Two more things bound it at present (``docs/sharding.md``, "Models that do not
-fit"): the first forward gathers the whole model, and each parameter's ``.grad`` keeps its whole gradient
-until backward ends (after its bucket was reduce-scattered), so a rank holds the whole gradient at its end.
+autograd: 30-75 MiB here). One more thing bounds it at present (``docs/sharding.md``, "Models that do not
+fit"): the first forward gathers the whole model, and the first backward keeps it until its gradients arrive.
 The default R = 1.5 is a model that does not fit (parameters and AdamW state 1.5x the cap) inside which
 FSDP2 trains; ``zero=3`` trained at R = 1.0 and not at 1.5 on the 2-core VM (``docs/performance.md``).
 
@@ -215,8 +214,8 @@ def elastic_part(args: argparse.Namespace, cap: int, folder: Path) -> dict[str, 
     out: dict[str, Any] = {
         "ratio": args.elastic_ratio or args.ratio, "cap_mib": cap / (1 << 20), "bf16": args.elastic_bf16,
         "reference_exit": ref_code, "exit": code, "killed": killed_at is not None,
-        "status": "ok" if len(end) == len(ref_end) == args.nproc else
-        ("oom" if any(r["status"] == "oom" for r in failed) else "error"),
+        "status": "ok" if not failed and killed_at is not None and len(end) == len(ref_end) == args.nproc else
+        ("oom" if any(r["status"] == "oom" for r in failed) else "error"),  # a restart the kill did not cause fails
         "peak_growth_mib": max((r["peak_growth_mib"] for r in ref + rows if r["event"] == "end"), default=None),
         "peak_rss_mib": max((r["peak_rss_mib"] for r in ref + rows if r["event"] == "end"), default=None),
         "commit_ms": statistics.fmean([r["ms"] for r in ref if r["event"] == "commit"] or [float("nan")])}

@@ -46,15 +46,30 @@ def _dump(obj: Any) -> bytes:
     return f.getvalue()
 
 
-def case(rank: int, comm: Any, device: str, seed: int, how: str, saved: Any) -> dict[str, Any]:
-    """The GPT built on ``device`` from ``seed`` at ``zero=3`` with AdamW. ``how="save"``: 3 steps, then every form of
-    checkpoint (``saved`` is the file's path); otherwise the checkpoint ``saved`` loaded ``how``, then 2 steps."""
+def _build(comm: Any, device: str, seed: int) -> tuple[Any, Any]:
+    """The GPT built on ``device`` from ``seed``, and AdamW at ``zero=3`` over it."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT()
     adamw = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
+    return model, distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
+
+
+def _same(saved: list[Any], cpu: list[dict[str, Any]], meta: list[dict[str, Any]], what: str) -> None:
+    """Every rank: the CPU-built and the meta-built model loaded ``saved`` bitwise, and stay equal 2 steps on."""
+    for rank, (c, m) in enumerate(zip(cpu, meta)):
+        for i, (ref, a, b) in enumerate(zip(saved, c["loaded"], m["loaded"])):
+            assert torch.equal(ref, a) and torch.equal(ref, b), f"{what} rank {rank} parameter {i} loaded"
+        for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
+            assert torch.equal(a, b), f"{what} rank {rank} parameter {i} after 2 more steps"
+    assert any(not torch.equal(a, b) for a, b in zip(saved, meta[0]["trained"]))  # it trained
+
+
+def case(rank: int, comm: Any, device: str, seed: int, how: str, saved: Any) -> dict[str, Any]:
+    """The GPT built on ``device`` from ``seed`` at ``zero=3`` with AdamW. ``how="save"``: 3 steps, then every form of
+    checkpoint (``saved`` is the file's path); otherwise the checkpoint ``saved`` loaded ``how``, then 2 steps."""
+    model, opt = _build(comm, device, seed)
     if how == "save":
         _steps(model, opt, rank, 0, 3)
         distopt.save(saved, model.state_dict(), opt)
@@ -87,12 +102,7 @@ def test_a_checkpoint_loads_into_a_meta_built_model_bitwise_as_into_a_cpu_built_
     for how, saved in forms.items():
         cpu = run_case("sim", world, case, "cpu", 5, how, saved)
         meta = run_case("sim", world, case, "meta", 5, how, saved)
-        for rank, (c, m) in enumerate(zip(cpu, meta)):
-            for i, (ref, a, b) in enumerate(zip(first[0]["params"], c["loaded"], m["loaded"])):
-                assert torch.equal(ref, a) and torch.equal(ref, b), f"{how} W={world} rank {rank} parameter {i} loaded"
-            for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
-                assert torch.equal(a, b), f"{how} W={world} rank {rank} parameter {i} after 2 more steps"
-        assert any(not torch.equal(a, b) for a, b in zip(first[0]["params"], meta[0]["trained"]))  # it trained
+        _same(first[0]["params"], cpu, meta, f"{how} W={world}")
 
 
 def case_dcp(rank: int, comm: Any, device: str, seed: int, directory: str, save: bool) -> dict[str, Any]:
@@ -101,12 +111,7 @@ def case_dcp(rank: int, comm: Any, device: str, seed: int, directory: str, save:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = GPT()
-    adamw = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
+    model, opt = _build(comm, device, seed)
     if save:
         _steps(model, opt, rank, 0, 3)
         msd, osd = get_state_dict(model, opt)
@@ -130,9 +135,4 @@ def test_a_dcp_checkpoint_loads_into_a_meta_built_model_bitwise_as_into_a_cpu_bu
     first = run_case("torch", 2, case_dcp, "cpu", 11, directory, True)
     cpu = run_case("torch", world, case_dcp, "cpu", 5, directory, False)
     meta = run_case("torch", world, case_dcp, "meta", 5, directory, False)
-    for rank, (c, m) in enumerate(zip(cpu, meta)):
-        for i, (ref, a, b) in enumerate(zip(first[0]["params"], c["loaded"], m["loaded"])):
-            assert torch.equal(ref, a) and torch.equal(ref, b), f"W={world} rank {rank} parameter {i} loaded"
-        for i, (a, b) in enumerate(zip(c["trained"], m["trained"])):
-            assert torch.equal(a, b), f"W={world} rank {rank} parameter {i} after 2 more steps"
-    assert any(not torch.equal(a, b) for a, b in zip(first[0]["params"], meta[0]["trained"]))  # it trained
+    _same(first[0]["params"], cpu, meta, f"dcp W={world}")

@@ -15,6 +15,22 @@ def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
         opt.step()
 
 
+def _finish(model: Any, opt: Any, rank: int, directory: str | None, restored: Any) -> dict[str, Any]:
+    """With ``directory``, rank 0's consolidated ``plain.pt`` there (the reference route; collective); then the
+    parameters, ``restored``, and the DistOpt closed."""
+    import os
+
+    import torch
+
+    if directory is not None:
+        plain = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if rank == 0:
+            torch.save(plain, os.path.join(directory, "plain.pt"))
+    out = {"params": _params(model, opt), "restored": restored}
+    opt.close()
+    return out
+
+
 def case_dcp(rank: int, comm: Any, zero: int, directory: str, mode: str, steps: int) -> dict[str, Any]:
     """Adam at ``zero``, ``steps`` steps. ``mode``: ``"save"``: from the start, then ``get_state_dict`` and
     ``dcp.save`` into ``directory`` (and rank 0 a consolidated ``torch.save`` of ``opt.state_dict()`` and the
@@ -45,12 +61,7 @@ def case_dcp(rank: int, comm: Any, zero: int, directory: str, mode: str, steps: 
     if mode == "save":
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
-        plain = {"model": model.state_dict(), "optim": opt.state_dict()}
-        if rank == 0:
-            torch.save(plain, os.path.join(directory, "plain.pt"))
-    out = {"params": _params(model, opt), "restored": restored}
-    opt.close()
-    return out
+    return _finish(model, opt, rank, directory if mode == "save" else None, restored)
 
 
 def case_reference(rank: int, comm: Any, steps: int) -> list[Any]:
@@ -71,8 +82,6 @@ def case_state(rank: int, comm: Any, zero: int, directory: str, mode: str, steps
     ``mode``: ``"save"``: ``steps`` steps from the start, then ``dcp.save({"state": state})`` into ``directory``
     and rank 0's consolidated ``plain.pt`` beside it (as :func:`case_dcp`); ``"load"``: ``dcp.load`` of it first.
     Returns the parameters after ``steps`` more steps, and the step count, sampler position and value loaded."""
-    import os
-
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -94,9 +103,4 @@ def case_state(rank: int, comm: Any, zero: int, directory: str, mode: str, steps
     if mode == "save":
         state.epoch = 7
         dcp.save({"state": state}, checkpoint_id=directory)
-        plain = {"model": model.state_dict(), "optim": opt.state_dict()}
-        if rank == 0:
-            torch.save(plain, os.path.join(directory, "plain.pt"))
-    out = {"params": _params(model, opt), "restored": restored}
-    opt.close()
-    return out
+    return _finish(model, opt, rank, directory if mode == "save" else None, restored)

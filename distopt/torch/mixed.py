@@ -19,6 +19,8 @@ stage shares and the replicated stage's gradient sink, :class:`MixedSink`:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -122,7 +124,7 @@ def hook_model(model: Any, precision: Any, spans: MixedSpans, handles: list[Any]
         handles.append(module.register_load_state_dict_post_hook(lambda *args: spans.leave(True)))
 
 
-class MixedSpans:
+class MixedSpans(ABC):
     """Spans in which the model's parameters hold the masters (:class:`LowCopies`); they nest, the outermost decides.
     A sink mixing it in provides :meth:`fulls` and :meth:`written`."""
 
@@ -130,10 +132,10 @@ class MixedSpans:
     _depth = 0
     _fulls: list[Any] | None = None
 
+    @abstractmethod
     def fulls(self, values: bool) -> list[Any]:
         """The masters whole, one per parameter of :attr:`LowCopies.tensors` (``values``: False when only their
         dtype matters: no gather)."""
-        raise NotImplementedError
 
     def written(self, fulls: Sequence[Any]) -> None:
         """A span that may have written ``fulls`` ended (nothing to do where they are the masters themselves)."""

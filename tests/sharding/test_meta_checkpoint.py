@@ -56,6 +56,15 @@ def _build(comm: Any, device: str, seed: int) -> tuple[Any, Any]:
     return model, distopt.DistOpt(adamw, comm=comm, zero=3, buffSize=600, model=model)
 
 
+def _trained_on(model: Any, opt: Any, rank: int) -> dict[str, Any]:
+    """The whole parameters just loaded, and after 2 more steps; the DistOpt closed."""
+    loaded = _full(model, opt)
+    _steps(model, opt, rank, 3, 2)
+    out = {"loaded": loaded, "trained": _full(model, opt)}
+    opt.close()
+    return out
+
+
 def _same(saved: list[Any], cpu: list[dict[str, Any]], meta: list[dict[str, Any]], what: str) -> None:
     """Every rank: the CPU-built and the meta-built model loaded ``saved`` bitwise, and stay equal 2 steps on."""
     for rank, (c, m) in enumerate(zip(cpu, meta)):
@@ -85,11 +94,7 @@ def case(rank: int, comm: Any, device: str, seed: int, how: str, saved: Any) -> 
     else:  # every rank's shard, read one at a time
         shards = (torch.load(io.BytesIO(b), weights_only=True) for b in saved)
         opt.load_state_dict(distopt.ShardStream([{"world_size": 2, "rank": r} for r in range(len(saved))], shards))
-    loaded = _full(model, opt)
-    _steps(model, opt, rank, 3, 2)
-    out = {"loaded": loaded, "trained": _full(model, opt)}
-    opt.close()
-    return out
+    return _trained_on(model, opt, rank)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -121,9 +126,7 @@ def case_dcp(rank: int, comm: Any, device: str, seed: int, directory: str, save:
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=directory)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        loaded = _full(model, opt)
-        _steps(model, opt, rank, 3, 2)
-        out = {"loaded": loaded, "trained": _full(model, opt)}
+        return _trained_on(model, opt, rank)
     opt.close()
     return out
 

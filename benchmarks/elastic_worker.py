@@ -66,7 +66,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     state.commit()
                     ms = 1e3 * (time.perf_counter() - t0)
-                    record(event="commit", commits=state.commits, ms=ms, bytes=len(state._committed))
+                    record(event="commit", commits=state.commits, ms=ms, bytes=state.part_bytes)
                 if (resumed == 0 and state.step == args.pause_after_commit * args.every + 2
                         and rank == world - 1):
                     (args.out / f"paused.rank{rank}").write_text(f"{os.getpid()} {os.getppid()}")

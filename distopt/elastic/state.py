@@ -96,6 +96,12 @@ class State:
                                  f"are {sorted(self._values)} (objects are restored in place, not replaced)")
         self._values[name] = value
 
+    @property
+    def part_bytes(self) -> int:
+        """BYTES of this rank's part of the last commit (0 before the first)."""
+        part = self._committed
+        return 0 if part is None else part.stat().st_size if isinstance(part, Path) else len(part)
+
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Functions (no arguments) that :func:`~distopt.elastic.run` calls after restoring a commit into a new
         world, in order: e.g. a learning rate that follows the world size."""

@@ -157,6 +157,7 @@ def test_a_stored_commit_is_restored_from_its_file_and_no_earlier_part_is_held_w
     state.step = 1
     state.commit()
     assert seen == [True] * 4 and state._committed == tmp_path / "commit-2"  # a path, not the bytes
+    assert state.part_bytes == (tmp_path / "commit-2").stat().st_size > 0
     with torch.no_grad():
         model.weight.add_(1.0)
     state.step = 5

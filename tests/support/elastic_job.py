@@ -166,9 +166,9 @@ class ElasticJob:
         """Each worker's last logged event (by world and rank), then the tail of every agent's log."""
         last: dict[tuple, dict] = {}
         for row in read_steps(self.out):
-            last[(row["restart"], row["world"], row["rank"])] = row
+            last[(row.get("restart", row.get("resumed")), row.get("world"), row.get("rank"))] = row
         lines = [f"restart {r} world {w} rank {k}: last {row.get('event')} at step {row.get('step')}"
-                 for (r, w, k), row in sorted(last.items())]
+                 for (r, w, k), row in sorted(last.items(), key=lambda kv: str(kv[0]))]
         for i in range(len(self.agents)):
             text = (self.out / f"agent{i}.log").read_text(errors="replace")
             lines.append(f"--- agent{i}.log tail ---\n{text[-2500:]}")

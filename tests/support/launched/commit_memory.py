@@ -45,7 +45,7 @@ def measure(zero: int) -> None:
     whole = peak_growth(consolidated)[0]  # its buffer freed at once
     print(json.dumps({"rank": opt.global_rank, "world": opt.world_size, "zero": zero,
                       "commit_growth": commit, "consolidated_growth": whole,
-                      "part_bytes": len(state._committed),
+                      "part_bytes": state.part_bytes,
                       "shard_state_bytes": 2 * 4 * shard_elems, "shard_param_bytes": 4 * shard_elems,
                       "state_bytes": 2 * 4 * numel, "bucket_bytes": 4 * buff}), flush=True)
     opt.close()

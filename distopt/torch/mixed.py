@@ -7,7 +7,7 @@ stage shares and the replicated stage's gradient sink, :class:`MixedSink`:
   ``param_dtype`` copy of the masters (forward and backward run in it); inside a *span* (``model.state_dict()``,
   ``model.load_state_dict()``, ``summon_full_params()``, the optimizer's state dicts at ``zero=1|2``) their data is
   the masters' dtype, and what a span wrote is cast into the copies when it ends (:class:`MixedSpans`);
-* :func:`stand_in`: the arrays that lay out the buckets have the gradients' reduction dtype (``reduce_dtype``), so
+* :func:`stand_ins`: the arrays that lay out the buckets have the gradients' reduction dtype (``reduce_dtype``), so
   each gradient is cast as it is packed into its bucket; :meth:`MixedSink.reduced_into` gives the reduction copies
   of the gradients in that dtype to average into (a ``param_dtype`` gradient cannot hold the float32 average);
 * ``zero=0`` (:class:`MixedSink`): the masters are whole, one float32 tensor per parameter, and they are what the
@@ -20,7 +20,6 @@ stage shares and the replicated stage's gradient sink, :class:`MixedSink`:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -28,7 +27,7 @@ from ..core._array import xp_of
 from .adapter import TorchOptimizer, as_array, as_tensor
 from .sink import GradientSink
 
-__all__ = ["LowCopies", "MixedSpans", "MixedSink", "stand_in", "reduction_dtype", "cast_segments", "hook_model"]
+__all__ = ["LowCopies", "MixedSpans", "MixedSink", "stand_in", "stand_ins", "reduce_copies", "cast_segments", "hook_model"]
 
 
 def stand_in(tensor: Any, dtype: Any, shape: Sequence[int]) -> Any:
@@ -40,11 +39,18 @@ def stand_in(tensor: Any, dtype: Any, shape: Sequence[int]) -> Any:
     return xp_of(one).broadcast_to(one, tuple(shape))
 
 
-def reduction_dtype(precision: Any, tensor: Any) -> Any:
-    """The NumPy/CuPy dtype ``tensor``'s gradient is reduced in under ``precision``."""
+def stand_ins(precision: Any, tensors: Sequence[Any]) -> list[Any]:
+    """:func:`stand_in` of each of ``tensors`` in its gradients' reduction dtype under ``precision``."""
+    return [stand_in(t, precision.reduce(t.dtype), t.shape) for t in tensors]
+
+
+def reduce_copies(precision: Any, tensor: Any, grads: list[Any]) -> list[Any]:
+    """Copies of ``grads`` (arrays, None where absent) in the dtype ``tensor``'s gradient is reduced in under
+    ``precision``: the reduction averages into them."""
     import torch
 
-    return as_array(torch.empty(0, dtype=precision.reduce(tensor.dtype), device=tensor.device)).dtype
+    dtype = as_array(torch.empty(0, dtype=precision.reduce(tensor.dtype), device=tensor.device)).dtype
+    return [None if g is None else g.astype(dtype) for g in grads]
 
 
 def cast_segments(step: Any, dtype: Any) -> None:
@@ -213,7 +219,7 @@ class MixedSink(MixedSpans, GradientSink):
         """Stand-ins of the parameters' shapes in their reduction dtype (:func:`stand_in`); a new list of tensors
         (``requires_grad`` changed) is known to the engine at once: its values are rank 0's already, and a stand-in
         takes no broadcast."""
-        arrays = [stand_in(t, self.precision.reduce(t.dtype), t.shape) for t in tensors]
+        arrays = stand_ins(self.precision, tensors)
         if self._engine is not None and [id(t) for t in tensors] != self._known:
             self._known = [id(t) for t in tensors]
             self._engine.known(arrays)
@@ -224,8 +230,7 @@ class MixedSink(MixedSpans, GradientSink):
         first = next((p for p in self.local.params() if p.is_floating_point()), None)
         if first is None or (not self.masters and self.precision.reduce_dtype is None):
             return grads
-        dtype = reduction_dtype(self.precision, first)
-        return [None if g is None else g.astype(dtype) for g in grads]
+        return reduce_copies(self.precision, first, grads)
 
     def adopt(self, pipeline: Any, tensors: Sequence[Any], grads: Sequence[Any], outcome: Any, skipped: bool,
               shadow: bool, views: Sequence[Any] | None) -> None:  # noqa: ARG002

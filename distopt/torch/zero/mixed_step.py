@@ -29,7 +29,7 @@ from ...sharding.gather import ParamGather
 from ...sharding.plan import ShardPlan
 from ...sharding.sync import ShardedStep
 from ..adapter import TorchOptimizer, as_array, as_tensor
-from ..mixed import LowCopies, MixedSpans, cast_segments, hook_model, reduction_dtype, stand_in
+from ..mixed import LowCopies, MixedSpans, cast_segments, hook_model, reduce_copies, stand_ins
 from .step import ShardedTorchStep
 
 __all__ = ["MixedShardedStep"]
@@ -102,15 +102,14 @@ class MixedShardedStep(MixedSpans, ShardedTorchStep):
         """
         if self._sharded and [id(t) for t in tensors] != [id(t) for t in self.tensors]:
             raise _changed()
-        return [stand_in(t, self.precision.reduce(t.dtype), t.shape) for t in tensors]
+        return stand_ins(self.precision, tensors)
 
     def reduced_into(self, grads: list[Any]) -> list[Any]:
         """Stage 1: copies of the gradients in ``reduce_dtype`` (the all-reduce averages into them); stage 2: the
         gradients (the reduce-scatter's segments hold the average)."""
         if self.stage != 1 or not self.tensors:
             return grads
-        dtype = reduction_dtype(self.precision, self.tensors[0])
-        return [None if g is None else g.astype(dtype) for g in grads]
+        return reduce_copies(self.precision, self.tensors[0], grads)
 
     def adopt(self, pipeline: Any, tensors: Sequence[Any], grads: Sequence[Any], outcome: Any, skipped: bool,
               shadow: bool, views: Sequence[Any] | None) -> None:

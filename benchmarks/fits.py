@@ -22,14 +22,14 @@ heap: ``VmData`` then measures its cache, not the live memory).
 **What bounds R for ``zero=3``.** At rest a rank holds 16·P/W BYTES (float32 segment, two AdamW moments,
 float32 gradient segment): at W = 4 that is 4·P, one third of 12·P, so R = 3 leaves nothing for the
 gathered modules, the gradient buckets, the activations and the process's own growth (threads, allocator,
-autograd: 30-75 MiB here). One more thing bounds it at present (``docs/sharding.md``, "Models that do not
-fit"): the first forward gathers the whole model, and the first backward keeps it until its gradients arrive.
-The default R = 1.5 is a model that does not fit (parameters and AdamW state 1.5x the cap) inside which
-FSDP2 trains; ``zero=3`` trained at R = 1.0 and not at 1.5 on the 2-core VM (``docs/performance.md``).
+autograd: 30-75 MiB here) (``docs/sharding.md``, "Models that do not fit"). The default R = 1.5 is a model
+that does not fit (parameters and AdamW state 1.5x the cap); the ratios at which each variant trained on the
+2-core VM are in ``docs/performance.md``.
 
 Variants (``--variants``; ``fits_worker.py`` describes each): ``ddp``, ``zero0`` (CPU-built models), ``fsdp2``
-(meta-built, ``fully_shard`` per block and the root), ``zero3`` and ``zero3_bf16`` (meta-built,
-``DistOpt(AdamW, zero=3, model=m)``, the second with ``param_dtype=torch.bfloat16,
+and ``fsdp2_bf16`` (meta-built, ``fully_shard`` per block and the root, the second with
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``), ``zero3`` and ``zero3_bf16``
+(meta-built, ``DistOpt(AdamW, zero=3, model=m)``, the second with ``param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32``); one ``torchrun --nproc-per-node W`` job each, ``--steps`` steps. The float32
 reference of the losses: one process, no cap, plain AdamW on the CPU-built model, every rank's batch of
 each step concatenated (the mean of the ranks' losses is its loss).
@@ -68,7 +68,7 @@ from typing import Any
 
 import _common
 
-VARIANTS = ("ddp", "zero0", "fsdp2", "zero3", "zero3_bf16")
+VARIANTS = ("ddp", "zero0", "fsdp2", "fsdp2_bf16", "zero3", "zero3_bf16")
 HERE = Path(__file__).resolve().parent
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 

@@ -8,7 +8,9 @@ Usage (by ``benchmarks/fits.py``)::
 Variants: ``ddp`` (``DistributedDataParallel`` over a CPU-built model, AdamW), ``zero0`` (``DistOpt(AdamW,
 zero=0)`` over a CPU-built model), ``fsdp2`` (torch's ``fully_shard`` on every block and the root of a model
 built on the meta device, then ``to_empty`` and each module's ``reset_parameters()`` on its own whole tensors
-from seed 0, of which each rank keeps its shard: the CPU build's values), ``zero3`` (a meta-built model and
+from seed 0, of which each rank keeps its shard: the CPU build's values), ``fsdp2_bf16`` (the same with
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` on every ``fully_shard``),
+``zero3`` (a meta-built model and
 ``DistOpt(AdamW, zero=3, model=m)``), ``zero3_bf16`` (the same with ``param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32``), and ``reference`` (one process, float32, plain AdamW on a CPU-built model,
 the W ranks' batches of each step concatenated: the float32 reference of the losses).
@@ -48,12 +50,12 @@ import _common  # noqa: F401  (the repository root on sys.path)
 import torch
 import torch.distributed as dist
 from netsim_worker import make_gpt
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import distopt
 
-VARIANTS = ("ddp", "zero0", "fsdp2", "zero3", "zero3_bf16")
+VARIANTS = ("ddp", "zero0", "fsdp2", "fsdp2_bf16", "zero3", "zero3_bf16")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
@@ -190,11 +192,13 @@ def build(variant: str, gpt: tuple[int, ...], rank: int, world: int) -> tuple[An
         return model, model, opt, lambda: {"gather_bytes": 0, "reduce_bytes": int(opt.stats["step_wire_bytes"])}
     with torch.device("meta"):
         model = make_gpt(vocab, d_model, heads, layers, seq_len)
-    if variant == "fsdp2":
+    if variant.startswith("fsdp2"):
         counted = Counted()
+        policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} \
+            if variant == "fsdp2_bf16" else {}
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **policy)
+        fully_shard(model, **policy)
         model.to_empty(device="cpu")
         fsdp2_init(model, rank, world)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)

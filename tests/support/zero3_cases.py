@@ -315,7 +315,7 @@ def case_gpt_train(rank: int, comm: Any, zero: int, optimizer: str, start: bytes
             "shard": _dump({**opt.state_dict(sharded=True), "distopt_model": model.state_dict()}) if zero else None}
 
 
-def case_uneven_no_grad_forwards(rank: int, comm: Any, counts: tuple[int, int]) -> dict[str, Any]:
+def case_uneven_no_grad_forwards(rank: int, comm: Any, counts: tuple[int, int], reshard: bool = True) -> dict[str, Any]:
     """Rank r runs ``counts[r]`` no-grad forwards of the whole model (generation on one rank), then every
     rank trains one step: returns the error and the seconds until it was raised."""
     import time
@@ -324,7 +324,8 @@ def case_uneven_no_grad_forwards(rank: int, comm: Any, counts: tuple[int, int]) 
 
     torch.set_num_threads(1)
     model = _model()
-    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=3, buffSize=40, model=model)
+    opt = distopt.DistOpt(_optimizer("sgd", model.parameters()), comm=comm, zero=3, buffSize=40, model=model,
+                          reshard_after_forward=reshard)
     start = time.monotonic()
     try:
         with torch.no_grad():

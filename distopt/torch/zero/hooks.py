@@ -3,10 +3,12 @@
 Over :class:`~distopt.torch.zero.params.ParamShards` (the segments, gathers and frees), as PyTorch FSDP's pre- and
 post-forward and pre- and post-backward hooks (Zhao et al., VLDB 2023); the user's view is in ``docs/sharding.md``:
 
-* **units**: the first forward pass gathers everything and records which modules' forward ran. A module's unit is the
-  buckets of the parameters of its subtree that are not in a descendant that ran (``nn.MultiheadAttention`` reads its
-  ``out_proj`` without calling it); a shared parameter (a tied head) is in the unit of every module that owns it. A
-  module that did not run then needs its whole subtree when it does;
+* **units**: a module's unit is the buckets of the parameters it reads while it is the innermost running module
+  (``nn.MultiheadAttention`` reads its ``out_proj`` without calling it; a root may read an embedding's weight for its
+  head). The first forward learns them without holding the model whole: a freed parameter's use gathers its bucket
+  and records it, and as each module starts and returns, the buckets no running module has read are freed and the
+  whole ones watched (their parameters take the freed class while staying whole), so that every module's reads are
+  seen. A module that did not run then needs its whole subtree when it does;
 * **forward**: a module's pre-hook frees the gathered buckets that no running module needs, gathers its unit, starts
   the next unit's prefetch and announces the one the module after it starts. When the outermost module returns,
   everything is freed (as FSDP2 does);
@@ -19,6 +21,7 @@ post-forward and pre- and post-backward hooks (Zhao et al., VLDB 2023); the user
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -48,7 +51,9 @@ class ModuleHooks:
         self._positions: dict[int, int] = {}
         self._done: list[set[int]] = [set() for _ in store.buckets]  # per bucket: parameters with their gradient
         self._units: dict[int, tuple[int, ...]] | None = None  # id(module) -> its unit's buckets; None: not learnt
-        self._fired: list[Any] = []
+        self._fired: list[Any] = []  # the first forward's modules, in the order they started
+        self._read: dict[int, set[int]] = {}  # the first forward: id(module) -> the buckets it read
+        self._seen: set[int] = set()  # the first forward: the parameters read so far
         self._next: dict[int, tuple[int, ...]] = {}  # id(module) -> the forward's prefetch at its start
         self._prev: dict[int, tuple[int, ...]] = {}  # the same in backward (the forward's order reversed)
         self._next2: dict[int, tuple[int, ...]] = {}  # the next module's prefetch (announced here, started there)
@@ -120,30 +125,39 @@ class ModuleHooks:
             units[id(module)] = unit  # a module that did not run in the first forward: its whole subtree
         return unit
 
+    def _use(self, tensors: Sequence[Any]) -> None:
+        """The first forward: the innermost running module reads ``tensors`` (freed or watched parameters): their
+        buckets join its unit, and are gathered."""
+        owner = self._stack[-1]
+        buckets = list(dict.fromkeys(self.store.bucket_of[id(t)] for t in tensors))
+        self._seen.update(id(t) for t in tensors)
+        self._read.setdefault(id(owner), set()).update(buckets)
+        self.store.gather(0, self._position(owner), buckets)
+        self.store.unwatch(tensors)
+
+    def _boundary(self) -> None:
+        """The first forward, as a module starts or returns: free the buckets that no running module has read and
+        whose every parameter has been read (a later module is likely to read the rest of a bucket), unless a forward
+        with gradients keeps everything (``reshard_after_forward=False``); watch the rest, so that each module's reads
+        are seen even of a bucket gathered for another."""
+        if self.reshard or not torch.is_grad_enabled():
+            store = self.store
+            keep = {b for m in self._stack for b in self._read.get(id(m), ())}
+            keep.update(b for b, bucket in enumerate(store.buckets)
+                        if any(id(store.tensors[s.index]) not in self._seen for s in bucket.slots))
+            store.free_all(keep=keep)
+        self.store.watch(self._use)
+
     def _learn(self) -> None:
-        """Units and the prefetch order from the first forward's modules (see the module docs)."""
-        fired = {id(m) for m in self._fired}
-        units: dict[int, set[int]] = {}
-
-        def walk(module: Any, owner: Any) -> None:
-            owner = module if id(module) in fired else owner
-            for p in module.parameters(recurse=False):
-                if id(p) in self.store.bucket_of:
-                    units.setdefault(id(owner), set()).add(self.store.bucket_of[id(p)])
-            for child in module.children():
-                walk(child, owner)
-
-        walk(self._model, self._model)
-        self._units = {k: tuple(sorted(v)) for k, v in units.items()}
-        fired = [m for m in self._fired if self._units.get(id(m))]
+        """Units and the prefetch order from the first forward's modules and reads (see the module docs)."""
+        self._units = {id(m): tuple(sorted(self._read.get(id(m), ()))) for m in self._fired}
+        fired = [m for m in self._fired if self._units[id(m)]]
         order = [self._units[id(m)] for m in fired]
         for i, m in enumerate(fired):
             self._next[id(m)] = self._ahead(order[i], order[i + 1:])
             self._prev[id(m)] = self._ahead(order[i], order[:i][::-1])
         for a, b in zip(fired, fired[1:]):  # what the module after this one (in each pass's order) prefetches
             self._next2[id(a)], self._prev2[id(b)] = self._next[id(b)], self._prev[id(a)]
-        for m in self._fired:
-            self._units.setdefault(id(m), ())
 
     @staticmethod
     def _ahead(unit: tuple[int, ...], later: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -159,12 +173,11 @@ class ModuleHooks:
         if _in_backward():  # a re-computation (activation checkpointing): gather, free nothing
             self.store.gather(1, self._position(module), self._unit(module))
             return
-        if self._units is None:  # the first forward: everything whole, and which modules run
-            if not self._stack:
-                self.store.gather_all()
+        if self._units is None:  # the first forward: which modules run, and what each reads
             if all(m is not module for m in self._fired):
                 self._fired.append(module)
             self._stack.append(module)
+            self._boundary()
             return
         if not self._stack:
             self._done = [set() for _ in self.store.buckets]
@@ -188,12 +201,18 @@ class ModuleHooks:
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, lambda grads, module=module: self._pre_backward(module), mode="any")
-        if self._stack:
+        if self._units is not None and self._stack:
             return
         if self._units is None:
-            self._learn()
-            if grad:  # the first backward: everything stays whole until its gradients arrive
+            if self._stack:
+                self._boundary()
                 return
+            self.store.watch(None)
+            if sys.exc_info()[1] is not None:  # the forward raised (the hook runs in torch's handler): learn anew
+                self._fired, self._read, self._seen = [], {}, set()
+                self.store.free_all()
+                return
+            self._learn()
         if grad and not self.reshard:
             return
         self.store.free_all()  # backward's first hook gathers what it needs (FSDP2 frees the root's too)

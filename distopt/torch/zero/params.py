@@ -23,6 +23,7 @@ from ...sharding import frame
 from ...sharding.plan import ShardPlan
 from ..adapter import as_array
 from ..mixed import stand_in
+from .freed import freed_class
 from .precision import MixedPrecision
 
 __all__ = ["ParamShards", "Gathered", "raw_array"]
@@ -53,36 +54,6 @@ def raw_array(tensor: Any, dtype: Any) -> Any:
 def _slot_views(flat: Any, bucket: Bucket) -> list[Any]:
     """Each parameter of ``bucket`` as a view into its flat buffer ``flat``, in slot order."""
     return [flat[s.offset:s.offset + s.size].view(s.shape) for s in bucket.slots]
-
-
-#: Tensor methods a freed parameter still answers (metadata, hooks, hashing); any other use raises.
-_METADATA = frozenset({"numel", "size", "dim", "element_size", "nelement", "is_contiguous", "is_floating_point",
-                       "is_complex", "stride", "data_ptr", "untyped_storage", "get_device", "detach", "__hash__",
-                       "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
-#: Functions that only allocate a tensor like a freed parameter (its shape, dtype and device, never its
-#: values): they work, as torch.distributed.checkpoint's optimizer-state initialisation needs.
-_ALLOCATING = frozenset({"zeros_like", "empty_like", "ones_like", "full_like", "new_zeros", "new_empty",
-                         "new_ones", "new_full"})
-_FREED: dict[type, type] = {}  # a parameter class -> its freed subclass
-
-
-def _freed_class(kind: type) -> type:
-    """The subclass of parameter class ``kind`` a freed parameter takes: its metadata (its whole shape: its data is
-    one element expanded to it), ``.data`` and allocations like it work; any computation raises a RuntimeError naming
-    it (instead of reading the one element)."""
-    if kind not in _FREED:
-        def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            name = getattr(func, "__name__", "")
-            if name in ("__get__", "__set__", "__delete__") or name in _METADATA or name in _ALLOCATING:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **(kwargs or {}))
-            freed = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, cls)), None)
-            raise RuntimeError(f"zero=3: parameter {getattr(freed, '_zero3_name', '?')!r} is freed between the "
-                               f"forward passes of the modules that hold it, and {name or func}() used it outside "
-                               "them: use it inside a module's forward, or inside `with opt.summon_full_params():`")
-
-        _FREED[kind] = type(f"Freed{kind.__name__}", (kind,), {"__torch_function__": classmethod(__torch_function__)})
-    return _FREED[kind]
 
 
 class ParamShards:
@@ -122,6 +93,7 @@ class ParamShards:
         self._full: list[list[Any]] = []  # per bucket: its parameters' views into the flat buffer
         self._empty: list[Any] = []  # per parameter: its data at rest (one element, expanded to its shape)
         self._kinds: list[type] = []  # per parameter: its own class (a freed one takes a subclass)
+        self._index: dict[int, int] = {}  # id(parameter) -> its position in tensors
         self._segment_arrays: list[Any] = []  # per bucket: the segment as an array
         self._gathered = self._peak = 0  # BYTES gathered now, and the most at one time since the last step
         self._announced: tuple[Any, int, list[int]] | None = None  # (check in flight, phase, buckets)
@@ -155,6 +127,7 @@ class ParamShards:
         self._np = {d: as_array(torch.empty(0, dtype=d)).dtype for d in {t.dtype for t in self.tensors}}
         master = self.tensors[0].dtype if self.tensors else None
         self._kinds = [type(t) for t in self.tensors]
+        self._index = {id(t): i for i, t in enumerate(self.tensors)}
         rank = self.comm.rank
         for b, bucket in enumerate(self.buckets):
             first = self.tensors[bucket.slots[0].index]
@@ -270,7 +243,7 @@ class ParamShards:
         for s in self.buckets[b].slots:
             t = self.tensors[s.index]
             t.data = self._empty[s.index]
-            t.__class__ = _freed_class(self._kinds[s.index])
+            t.__class__ = freed_class(self._kinds[s.index])
         flat = self._flats[b]
         if not flat.untyped_storage().resizable():
             # a NumPy array (``p.numpy()`` inside ``summon_full_params``) shares it and keeps that memory: the bucket
@@ -281,6 +254,28 @@ class ParamShards:
         self._gathered -= flat.nbytes
         self.counters.gathered_bytes = self._gathered
         self._state[b] = Gathered.FREE
+
+    def watch(self, on_use: Callable[[list[Any]], None] | None) -> None:
+        """Learning which module reads which parameter: with ``on_use``, every parameter of a whole bucket takes its
+        freed class too, so that its next use, like a freed one's, calls ``on_use(parameters)`` (which makes them
+        whole: :meth:`gather`, :meth:`unwatch`); None: the whole ones get their own classes back and a freed one's use
+        raises again."""
+        for t in self.tensors:
+            if on_use is None and hasattr(t, "_zero3_on_use"):
+                del t._zero3_on_use
+            elif on_use is not None:
+                t._zero3_on_use = on_use
+        for b, bucket in enumerate(self.buckets):
+            if self._state[b] is Gathered.FULL:
+                for s in bucket.slots:
+                    kind = self._kinds[s.index]
+                    self.tensors[s.index].__class__ = kind if on_use is None else freed_class(kind)
+
+    def unwatch(self, tensors: Sequence[Any]) -> None:
+        """Give whole ``tensors`` (watched ones, :meth:`watch`) their own classes back."""
+        for t in tensors:
+            if self._state[self.bucket_of[id(t)]] is Gathered.FULL:
+                t.__class__ = self._kinds[self._index[id(t)]]
 
     def _words(self, kind: int, phase: int, where: int, buckets: Sequence[int]) -> Any:
         """Start a gather check: this rank's frame (a start or an announcement, the pass, the module, a digest of the

@@ -19,10 +19,10 @@ run with glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` at 12
 tensors go back to the kernel (glibc's default dynamic threshold keeps freed blocks of up to 32 MiB in the
 heap: ``VmData`` then measures its cache, not the live memory).
 
-**What bounds R for ``zero=3``.** At rest a rank holds 16·P/W BYTES (float32 segment, two AdamW moments,
-float32 gradient segment): at W = 4 that is 4·P, one third of 12·P, so R = 3 leaves nothing for the
-gathered modules, the gradient buckets, the activations and the process's own growth (threads, allocator,
-autograd: 30-75 MiB here) (``docs/sharding.md``, "Models that do not fit"). The default R = 1.5 is a model
+**What bounds R for ``zero=3``.** From the end of backward to the update a rank holds 16·P/W BYTES (float32
+segment, two AdamW moments, float32 gradient segment): at W = 4 that is 4·P, one third of 12·P, so R = 3 leaves
+nothing for the gathered modules, the gradient buckets, the activations and the process's own growth (threads,
+allocator, autograd: 30-75 MiB here) (``docs/sharding.md``, "Models that do not fit"). The default R = 1.5 is a model
 that does not fit (parameters and AdamW state 1.5x the cap); the ratios at which each variant trained on the
 2-core VM are in ``docs/performance.md``.
 

@@ -48,7 +48,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 from .comm.consensus import agree
 from .portable import HAVE_TORCH, from_portable, to_portable
 
-__all__ = ["save", "load", "dumps", "loads", "write_atomically", "CHECKPOINT_FORMAT", "TMP_SUFFIX"]
+__all__ = ["save", "load", "dumps", "dump_into", "loads", "write_atomically", "CHECKPOINT_FORMAT", "TMP_SUFFIX"]
 
 log = logging.getLogger("distopt")
 
@@ -78,6 +78,16 @@ class _ArraysOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a distopt checkpoint")
 
 
+def dump_into(payload: Any, what: str, f: BinaryIO) -> None:
+    """Write ``payload`` in the checkpoint format (:func:`save`'s) into the open binary file ``f``, streamed: no
+    copy of the bytes in memory.
+
+    Raises:
+        TypeError: a value the safe loaders would refuse (:func:`~distopt.portable.to_portable`), naming ``what``.
+    """
+    _dump(to_portable(payload, what), f)
+
+
 def dumps(payload: Any, what: str) -> bytes:
     """``payload`` in the checkpoint format (:func:`save`'s), as bytes.
 
@@ -85,33 +95,39 @@ def dumps(payload: Any, what: str) -> bytes:
         TypeError: a value the safe loaders would refuse (:func:`~distopt.portable.to_portable`), naming ``what``.
     """
     buf = io.BytesIO()
-    _dump(to_portable(payload, what), buf)
+    dump_into(payload, what, buf)
     return buf.getvalue()
 
 
-def loads(raw: bytes, where: str, map_location: Any = "cpu") -> Any:
-    """Read bytes written by :func:`dumps` (``where`` names them in errors), safely (no code runs).
+def loads(raw: bytes | Path, where: str, map_location: Any = "cpu") -> Any:
+    """Read what :func:`dumps` or :func:`dump_into` wrote (``where`` names it in errors), safely (no code runs):
+    ``raw`` is its bytes or its file (read from the file, with no copy of its bytes in memory).
 
     Raises:
-        ValueError: truncated or corrupt bytes (see :func:`_damage`), or intact but refused by the loader.
+        ValueError: truncated or corrupt contents (see :func:`_damage`), or intact but refused by the loader.
+        OSError: the file cannot be read.
     """
-    zipped = raw.startswith(b"PK")  # torch.save's zip format
-    damage = _damage(raw, zipped)
-    if damage is not None:
-        raise ValueError(f"checkpoint {where} is truncated or corrupt ({len(raw)} bytes): {damage}")
-    try:
-        if zipped:
-            import torch
+    size = raw.stat().st_size if isinstance(raw, Path) else len(raw)
+    with (open(raw, "rb") if isinstance(raw, Path) else io.BytesIO(raw)) as f:
+        zipped = f.read(2) == b"PK"  # torch.save's zip format
+        f.seek(0)
+        damage = _damage(f, zipped)
+        if damage is not None:
+            raise ValueError(f"checkpoint {where} is truncated or corrupt ({size} bytes): {damage}")
+        f.seek(0)
+        try:
+            if zipped:
+                import torch
 
-            return torch.load(io.BytesIO(raw), map_location=map_location, weights_only=True)
-        return _ArraysOnly(io.BytesIO(raw)).load()
-    except Exception as exc:  # noqa: BLE001 (any loader error of an intact file)
-        raise ValueError(f"checkpoint {where} is intact ({len(raw)} bytes) but cannot be loaded: "
-                         f"{type(exc).__name__}: {exc}") from exc
+                return torch.load(f, map_location=map_location, weights_only=True)
+            return _ArraysOnly(f).load()
+        except Exception as exc:  # noqa: BLE001 (any loader error of an intact file)
+            raise ValueError(f"checkpoint {where} is intact ({size} bytes) but cannot be loaded: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
 
-def _damage(raw: bytes, zipped: bool) -> str | None:
-    """What is wrong with the structure of a file's bytes, or None for an intact file.
+def _damage(f: BinaryIO, zipped: bool) -> str | None:
+    """What is wrong with the structure of a file's contents (``f``, at its start), or None for an intact file.
 
     A zip archive (torch.save's format) must have its central directory and
     every entry its recorded CRC-32 (torch.load does not check those, and
@@ -121,18 +137,19 @@ def _damage(raw: bytes, zipped: bool) -> str | None:
     """
     if zipped:
         try:
-            archive = zipfile.ZipFile(io.BytesIO(raw))
+            archive = zipfile.ZipFile(f)
             bad = archive.testzip() if any(entry.CRC for entry in archive.infolist()) else None
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
             return f"not a complete zip archive ({exc})"
         return None if bad is None else f"entry {bad} fails its CRC-32 check"
     stop = -1
     try:
-        for _, _, stop in pickletools.genops(raw):
+        for _, _, stop in pickletools.genops(f):
             pass
     except ValueError as exc:
         return f"not a complete pickle stream ({exc})"
-    return None if stop == len(raw) - 1 else f"{len(raw) - stop - 1} bytes after the end of the pickle stream"
+    size = f.seek(0, os.SEEK_END)
+    return None if stop == size - 1 else f"{size - stop - 1} bytes after the end of the pickle stream"
 
 
 #: What a rank's error is raised as on every rank (:func:`~distopt.comm.consensus.agree`): its own class
@@ -321,7 +338,7 @@ def load(path: str | os.PathLike, opt: Any, map_location: Any = "cpu") -> Any:
 
 def _restore(path: Path, opt: Any, map_location: Any) -> Any:
     """This rank's part of :func:`load` (no collective); returns the model state."""
-    payload = loads(path.read_bytes(), str(path), map_location)
+    payload = loads(path, str(path), map_location)
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         found = payload.get("format", 1) if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"checkpoint {path} has format {found!r}; this distopt reads format {CHECKPOINT_FORMAT}: "
@@ -334,7 +351,7 @@ def _restore(path: Path, opt: Any, map_location: Any) -> Any:
                     "error-feedback residuals start at zero", path, payload["world_size"], opt.world_size)
         extras["rank_local"] = {}
     elif rpath.exists():
-        extras["rank_local"] = loads(rpath.read_bytes(), str(rpath), map_location)
+        extras["rank_local"] = loads(rpath, str(rpath), map_location)
     else:
         extras["rank_local"] = {}
         log.info("no residual file %s: error-feedback residuals start at zero", rpath)

@@ -103,6 +103,7 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
         rank_in_global / global_rank: this process's rank, ``0..world_size-1``.
         rank_in_local / local_rank: its rank among the processes of its node.
         world_size: number of processes.
+        zero: the ZeRO stage, 0 to 3 (``zero=``).
         engine: the step engine (layout, agreement, bucket pipeline).
         follower: the :class:`~distopt.torch.follower.Follower` of a PyTorch optimizer (None for array optimizers).
         model_sync: the :class:`~distopt.torch.model_sync.ModelSync` of a PyTorch optimizer (None for array optimizers).
@@ -146,7 +147,8 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
             nccl_id, gpu_num, gpu_per_node, backend, timeout, comm, world, hierarchical, group)
         self.rank_in_global, self.world_size = self.comm.rank, self.comm.size
         self._counters = Counters()
-        zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None, overlap_param_gather)
+        zero = self.zero = check_sharding(zero, held, opt if isinstance(local, ArrayOptimizer) else None,
+                                          overlap_param_gather)
         self.engine = Engine(self.comm, int(buffSize), bool(check_finite), self._counters,
                              bool(divide_by_initial_world_size), bucket_sync(zero, self.comm))
         strategies = StrategySet(held)
@@ -304,7 +306,6 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
 
         Args:
             params: the parameters, for an array model that ran no step before joining.
-
         Raises:
             ValueError: nothing to shadow (no step yet and no ``params``), a strategy without ``supports_join``
                 (every rank raises), ``gradient_as_bucket_view=True`` or ``zero=3``.
@@ -359,13 +360,12 @@ class DistOpt(SingaMethods, CollectiveMethods, AccumulationMethods):
         does nothing); every later collective raises :class:`~distopt.errors.CommunicatorClosedError` on every
         rank. The hooks on the model's tensors and the optimizer are removed.
 
-        Releases only what this DistOpt owns: a communicator it built. One given as ``comm=`` is the
-        caller's (as a process group handed to DDP): it stays open, and this DistOpt's later calls still
-        reach it, until its owner closes it. The world of :func:`distopt.init` (or ``world=``) that other
-        DistOpts, SyncBatchNorm layers and groups share stays open while the script holds it (until
-        ``world.close()``) or another DistOpt uses it; the last of them to let go closes it. A group's
-        communicator (``group=``) stays open. On MPI a close is bounded: see
-        :meth:`distopt.comm.mpi.MPICommunicator.close`."""
+        Releases only what this DistOpt owns: a communicator it built. One given as ``comm=`` is the caller's (as
+        a process group handed to DDP): it stays open, and this DistOpt's later calls still reach it, until its
+        owner closes it. The world of :func:`distopt.init` (or ``world=``) that other DistOpts, SyncBatchNorm
+        layers and groups share stays open while the script holds it (until ``world.close()``) or another DistOpt
+        uses it; the last of them to let go closes it. A group's communicator (``group=``) stays open. On MPI a
+        close is bounded: see :meth:`distopt.comm.mpi.MPICommunicator.close`."""
         self.local.detach()  # the model and the optimizer no longer call into this DistOpt
         if self.follower is not None:
             self.follower.release()

@@ -68,6 +68,7 @@ class MpiShardHandle:
             self._request = None
         if not self._done:
             self._result, self._done = self._finish(), True
+            self._finish = None  # its buffers: no longer held here
         return self._result
 
 

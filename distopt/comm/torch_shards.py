@@ -117,6 +117,7 @@ class TorchShardHandle:
             self._work = None
         if not self._done:
             self._result, self._done = self._finish(), True
+            self._t = self._finish = None  # the caller's array and the receive buffer: no longer held here
         return self._result
 
 

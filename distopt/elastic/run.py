@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..checkpoint import dumps
 from ..errors import DistOptError
 from ..launch.info import RESTART_COUNT_ENV, RUN_ID_ENV
 from ..launch.ranks import under_mpi
@@ -99,10 +100,11 @@ def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> tu
     """Agree on the world's newest complete commit and load it; its sequence number (None for a fresh start)
     and each rank's node (its host and commit directory).
 
-    Each part is read from this node's file where every rank has one, else broadcast from the lowest rank
-    that holds it, one part at a time. The node's writer stores the parts its node lacked, so that every
-    node of the new world holds the commit it resumed from, even if the nodes that sent them are lost before
-    the next commit."""
+    At the world size of a commit of ``zero=3`` optimizers (whose parameters live in their shards), with every
+    rank's own part on its node, each rank reads only its own part's file. Otherwise each part is read from this
+    node's file where every rank has one, else broadcast from the lowest rank that holds it, one part at a time. The
+    node's writer stores the parts its node lacked, so that every node of the new world holds the commit it resumed
+    from, even if the nodes that sent them are lost before the next commit."""
     held = snapshots.held()
     me = (socket.gethostname(), str(snapshots.run.resolve()))
     everyone = opt.all_gather_object((me, {k: sorted(v) for k, v in held.items()}))
@@ -117,13 +119,18 @@ def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> tu
         return None, nodes
     seq, parts = max(complete)
     local = held.get((seq, parts), {})
+    rank = opt.global_rank
+    if parts > 1 and parts == opt.world_size and all(o.zero == 3 for o in state.sharded().values()) and all(
+            r in listing.get((seq, parts), ()) for r, (_, listing) in enumerate(everyone)):
+        state.load(seq, rank, parts, lambda: iter([local[rank]]), own=True)  # each rank its own part, from its file
+        return seq, nodes
     stores = writer if parts == 1 else nodes.index(me) == opt.global_rank
     stored: set[int] = set()
 
-    def read() -> Iterator[bytes]:
+    def read() -> Iterator[bytes | Path]:
         for k in range(parts):
             if all(k in listing.get((seq, parts), ()) for _, listing in everyone):
-                yield local[k].read_bytes()
+                yield local[k]
                 continue
             root = holders[(seq, parts)][k]
             raw = opt.broadcast_object(local[k].read_bytes() if opt.global_rank == root else None, root=root)
@@ -137,7 +144,7 @@ def _restore(state: State, opt: Any, snapshots: SnapshotDir, writer: bool) -> tu
 
 
 def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: list[Any],
-           after_commit: Callable[[], None] | None) -> Callable[[int, bytes], Path | None]:
+           after_commit: Callable[[], None] | None) -> Callable[[int, dict[str, Any]], Path | None]:
     """What stores each commit (collective): with one part, every agent's writer stores it; with one part per
     rank, each rank stores its own and, where the job spans several nodes, every part is broadcast and each
     node's writer (its lowest rank) stores the parts of the other nodes' ranks, so any one node can restore
@@ -147,12 +154,12 @@ def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: 
     node_writer = nodes.index(nodes[rank]) == rank
     several = len(set(nodes)) > 1
 
-    def store(seq: int, part: bytes) -> Path | None:
+    def store(seq: int, part: dict[str, Any]) -> Path | None:
         parts = state.parts()
         errors: list[str] = []
         own: list[Path] = []
 
-        def write(k: int, raw: bytes) -> None:
+        def write(k: int, raw: bytes | dict[str, Any]) -> None:
             try:
                 path = snapshots.write(seq, k, parts, raw)
             except OSError as exc:
@@ -167,7 +174,7 @@ def _store(state: State, opt: Any, snapshots: SnapshotDir, writer: bool, nodes: 
             write(rank, part)
         elif parts > 1:  # part k travels to every node, where its writer stores it after the broadcast
             for k in range(parts):
-                raw = opt.broadcast_object(part if k == rank else None, root=k)
+                raw = opt.broadcast_object(dumps(part, "distopt.elastic.State") if k == rank else None, root=k)
                 if k == rank or (node_writer and nodes[k] != nodes[rank]):
                     write(k, raw)
         failed = [(r, e) for r, e in enumerate(opt.all_gather_object(errors[:1])) if e]

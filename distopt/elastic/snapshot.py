@@ -20,8 +20,9 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
-from ..checkpoint import TMP_SUFFIX, write_atomically
+from ..checkpoint import TMP_SUFFIX, dump_into, write_atomically
 
 __all__ = ["SnapshotDir"]
 
@@ -48,16 +49,21 @@ class SnapshotDir:
         self.run = Path(root) / f"distopt-elastic-{run_id}"
         self.path = self.run / f"agent-{os.getppid() if agent is None else int(agent)}"
 
-    def write(self, seq: int, part: int, parts: int, payload: bytes) -> Path:
-        """Store part ``part`` of ``parts`` of commit ``seq`` (``payload``: its bytes), atomically; returns
-        the file's path.
+    def write(self, seq: int, part: int, parts: int, payload: bytes | dict[str, Any]) -> Path:
+        """Store part ``part`` of ``parts`` of commit ``seq`` atomically: ``payload`` is its bytes, or the part
+        itself, streamed into the file in the checkpoint format (:func:`~distopt.checkpoint.dump_into`: no copy of
+        its bytes in memory); returns the file's path.
 
         Raises:
             OSError: the directory or the file cannot be written (e.g. ``/dev/shm`` is full).
+            TypeError: the part holds a value the checkpoint format refuses.
         """
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         final = self.path / f"commit-{seq}.part{part}of{parts}.pt"
-        write_atomically(final, lambda f: f.write(payload))
+        if isinstance(payload, bytes):
+            write_atomically(final, lambda f: f.write(payload))
+        else:
+            write_atomically(final, lambda f: dump_into(payload, "distopt.elastic.State", f))
         return final
 
     def prune(self, seq: int) -> None:

@@ -4,7 +4,7 @@
 A commit is made of parts. Without a sharded optimizer it is one part, the same on every rank. With one
 (``DistOpt(torch_optimizer, zero=1|2|3)``) it has one part per rank: rank r's part holds its shard of every
 sharded optimizer's state and of the parameters those train (``state_dict(sharded=True, params=True)``),
-and part 0 also holds the rest (other objects, the model's buffers and untrained parameters, plain values).
+and every part also holds the rest (other objects, the model's buffers and untrained parameters, plain values).
 No rank ever serialises, holds or loads the whole sharded state: a restore streams the parts one at a time
 (:class:`~distopt.sharding.shard_state.ShardStream`), each rank keeping its new pieces.
 """
@@ -117,14 +117,12 @@ class State:
         optimizer's shard and each other object's ``state_dict()``, serialised once, and the writes to tmpfs
         (``benchmarks/elastic.py`` prints it)."""
         seq = self.commits + 1
-        if self._store is not None:  # the store holds the last commit: one part in memory at a time, not two
-            object.__setattr__(self, "_committed", None)
         part = self._part(seq)
+        # the store streams the part into its file (restore() reads it back, nothing is kept in memory); the last
+        # commit stays restorable until this one is stored
+        kept = None if self._store is None else self._store(seq, part)
+        object.__setattr__(self, "_committed", kept if kept is not None else dumps(part, "distopt.elastic.State"))
         object.__setattr__(self, "commits", seq)
-        object.__setattr__(self, "_committed", part)
-        kept = self._store(seq, part) if self._store is not None else None
-        if kept is not None:  # the part's file: restore() reads it back
-            object.__setattr__(self, "_committed", kept)
 
     def restore(self) -> None:
         """Load the last commit back (the objects in place, the values replaced), at the same world size.
@@ -135,8 +133,7 @@ class State:
         if self._committed is None:
             raise RuntimeError("distopt.elastic.State.restore: nothing was committed yet (call state.commit())")
         part = self._committed
-        raw = part.read_bytes() if isinstance(part, Path) else part
-        self.load(self.commits, self._rank(), self.parts(), lambda: iter([raw]), own=True)
+        self.load(self.commits, self._rank(), self.parts(), lambda: iter([part]), own=True)
 
     def _rank(self) -> int:
         opts = self.sharded()
@@ -147,27 +144,29 @@ class State:
         opts = self.sharded()
         return next(iter(opts.values())).world_size if opts else 1
 
-    def _part(self, seq: int) -> bytes:
-        """This rank's part of commit ``seq``: its shards, and everything that is not sharded."""
+    def _part(self, seq: int) -> dict[str, Any]:
+        """This rank's part of commit ``seq``: its shards, and everything that is not sharded (to serialise in the
+        checkpoint format, :func:`~distopt.checkpoint.dump_into`)."""
         sharded = self.sharded()
         skip = {id(p) for opt in sharded.values() for g in opt.param_groups for p in g["params"]}
-        return dumps({"format": COMMIT_FORMAT, "seq": seq, "part": self._rank(), "parts": self.parts(),
-                      "sharded": {k: v.state_dict(sharded=True, params=True) for k, v in sharded.items()},
-                      "objects": {k: {n: t.detach() for n, t in _module_entries(v, skip).items()}
-                                  if hasattr(v, "named_parameters") else v.state_dict()
-                                  for k, v in self._objects.items() if k not in sharded},
-                      "values": dict(self._values)}, "distopt.elastic.State")
+        return {"format": COMMIT_FORMAT, "seq": seq, "part": self._rank(), "parts": self.parts(),
+                "sharded": {k: v.state_dict(sharded=True, params=True) for k, v in sharded.items()},
+                "objects": {k: {n: t.detach() for n, t in _module_entries(v, skip).items()}
+                            if hasattr(v, "named_parameters") else v.state_dict()
+                            for k, v in self._objects.items() if k not in sharded},
+                "values": dict(self._values)}
 
-    def load(self, seq: int, part: int, parts: int, read: Callable[[], Iterator[bytes]], own: bool = False) -> None:
+    def load(self, seq: int, part: int, parts: int, read: Callable[[], Iterator[bytes | Path]],
+             own: bool = False) -> None:
         """Load commit ``seq``, re-sharding sharded optimizers for this world.
 
         Args:
             seq: the commit's number.
             part: with ``own``, the one part ``read`` yields (this rank's own, at the same world size).
             parts: the number of parts of the commit.
-            read: yields the parts' bytes in order, one at a time; each call is a new pass (collective when
-                the reads are: every rank makes the same calls).
-            own: ``read`` yields only this rank's own part (:meth:`restore`).
+            read: yields the parts in order, one at a time, each as its bytes or its file; each call is a new pass
+                (collective when the reads are: every rank makes the same calls).
+            own: ``read`` yields only this rank's own part (:meth:`restore`); it is kept as the last commit.
 
         Raises:
             ValueError: a part of another commit or layout, or a commit that holds no state for an object
@@ -185,8 +184,11 @@ class State:
                     raise ValueError(f"distopt.elastic: a part of commit {seq} is (format, seq, part, parts) "
                                      f"{tuple(record.get(x) for x in ('format', 'seq', 'part', 'parts'))}, "
                                      f"expected {expected}")
-                if not first:
-                    first.append(record)
+                if own:
+                    object.__setattr__(self, "_committed", raw)
+                del raw  # one part's bytes in memory at a time, not two
+                if not first:  # the rest of the state, without its shards (dropped once taken)
+                    first.append({key: value for key, value in record.items() if key != "sharded"})
                 yield record
 
         sharded = self.sharded()
@@ -260,10 +262,10 @@ class State:
                 obj.load_state_dict(state_dict[name])
         self._values.update(state_dict.get("values", {}))
 
-    def _attach(self, store: Callable[[int, bytes], Path | None] | None) -> None:
-        """Under :func:`~distopt.elastic.run`: what stores each commit's part (collective on every rank); it returns
-        the file holding this rank's own part, if it wrote one (:meth:`restore` then reads it, not a copy kept in
-        memory)."""
+    def _attach(self, store: Callable[[int, dict[str, Any]], Path | None] | None) -> None:
+        """Under :func:`~distopt.elastic.run`: what stores each commit's part (:meth:`_part`; collective on every
+        rank); it returns the file holding this rank's own part, if it wrote one (:meth:`restore` then reads it, not
+        a copy kept in memory)."""
         object.__setattr__(self, "_store", store)
 
     def _reset(self) -> None:

@@ -254,6 +254,13 @@ class ShardedStep(PieceUpdate):
     def _landed(self) -> list[Any]:
         return [run.segment for run in self.runs if run.segment is not None]
 
+    def drop_segments(self) -> None:
+        """Let go of the segments and the finished reductions' handles once the update consumed them (or
+        ``zero_grad`` dropped them), as FSDP frees its sharded gradients at ``zero_grad``: the next forward runs
+        without them."""
+        for run in self.runs:
+            run.segment = run.handle = None
+
     def out(self, run: BucketRun) -> Any:  # noqa: ARG002
         """None: a reduce-scatter's result is a new array, the segment."""
         return None

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from distopt.checkpoint import TMP_SUFFIX
+from distopt.checkpoint import TMP_SUFFIX, dump_into
 from distopt.elastic import ElasticLaunchError, ElasticSampler, SnapshotDir, State, check_launch
 
 pytestmark = pytest.mark.unit
@@ -138,16 +138,17 @@ def test_a_stored_commit_is_restored_from_its_file_and_no_earlier_part_is_held_w
     state = State(model=model, step=0)
     seen = []
 
-    def store(seq: int, part: bytes) -> Path:
-        seen.append(state._committed is part)
+    def store(seq: int, part: dict) -> Path:
+        seen.append(isinstance(part, dict))  # the part itself, streamed into the file: not its bytes
         path = tmp_path / f"commit-{seq}"
-        path.write_bytes(part)
+        with open(path, "wb") as f:
+            dump_into(part, "test", f)
         return path
 
     made = State._part
 
-    def part(seq: int) -> bytes:
-        seen.append(state._committed is None)  # nothing of the previous commit held while this one is made
+    def part(seq: int) -> dict:
+        seen.append(not isinstance(state._committed, bytes))  # no bytes of the last commit held while this is made
         return made(state, seq)
 
     object.__setattr__(state, "_part", part)

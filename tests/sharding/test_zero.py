@@ -87,7 +87,7 @@ def test_torch_sharded_equal_unsharded(optimizer, world, zero):
     assert max(state) < ref[0]["stats"]["optimizer_state_bytes"] / world + 40 * 4 * 3, state
     if zero == 2:
         kept = SPARE_BUFFERS * got[0]["bucket_bytes"]  # the bucket buffers kept for the next step
-        assert max(g["stats"]["gradient_bytes"] for g in got) <= ref[0]["stats"]["gradient_bytes"] / 2 / world + 160 + kept
+        assert max(g["stats"]["gradient_bytes"] for g in got) <= kept  # the segments went with the update
 
 
 @pytest.mark.parametrize("options", [{"strategy": "half"}, {"clip": 0.05}, {"accumulate": 2},

@@ -127,10 +127,11 @@ class FullyShardedTorchStep(ShardedTorchStep):
     def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)
         """After the inner ``step()``: swap back and drop the shard gradients; nothing is gathered."""
         self.swap_out()
-        self._step = self._unstepped = None
+        self._step = None
         for s in self.shards:
             s.grad = None
         self._drop_placeholders()
+        self._drop_segments()
         self.store.step_done()
 
     def end_of_backward(self) -> None:

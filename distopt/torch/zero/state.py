@@ -178,11 +178,18 @@ class ShardedState:
             agree(self.comm, {"the step of the sharded state loaded": mine.get("steps")},
                   call="load_state_dict(sharded state)", error=ValueError, problem=problem,
                   hint="a stale shard: every rank loads its shard of the same checkpoint")
+            self.shards.bind_planned()
+            if self.shards.plan is not None:  # its pieces are this rank's: taken as they are, never consolidated
+                taken: dict[Any, dict[str, Any]] = {}
+                self.shards.take_pieces(mine["pieces"], mine.get("params"), taken)
+                opt.load_state_dict({**self._as_torch({}), "param_groups": state["param_groups"]})
+                self.shards.install(taken)
+                self._pending = None
+                return
             shapes = [self.shards.shape(p) for p in params]
             opt.load_state_dict({**self._as_torch(consolidate([mine["pieces"]], shapes)),
                                  "param_groups": state["param_groups"]})
             if mine.get("params") is not None:  # this rank's own parameter elements
-                self.shards.bind_planned()
                 for (number, start, stop, _), values in zip(mine["pieces"], mine["params"]):
                     self.shards.write_values(number, start, stop, values)
         else:

@@ -221,7 +221,13 @@ class ShardedTorchStep(GradientSink):
         (``set_to_none`` or not) works as without sharding."""
         self.swap_out()
         self._drop_placeholders()
-        self._unstepped = None
+        self._drop_segments()
+
+    def _drop_segments(self) -> None:
+        """Stage 2 and 3: the held step's segments are dead (an update consumed them, or ``zero_grad``)."""
+        held, self._unstepped = self._unstepped, None
+        if held is not None:
+            held[0].drop_segments()
 
     def _drop_placeholders(self) -> None:
         for t in self.tensors:
@@ -244,10 +250,11 @@ class ShardedTorchStep(GradientSink):
     def after_step(self, applied: bool) -> None:
         """After the inner ``step()``: swap back, drop the shard gradients, gather the parameters."""
         self.swap_out()
-        step, self._step, self._unstepped = self._step, None, None
+        step, self._step = self._step, None
         for s in self.shards:
             s.grad = None
         self._drop_placeholders()
+        self._drop_segments()
         if not applied or step is None:
             return
         self.wait()

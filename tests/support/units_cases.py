@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 import distopt
+from tests.support.zero_cases import fill_normal
 
 VOCAB, WIDTH, CONTEXT = 29, 12, 6
 
@@ -18,7 +17,6 @@ def deep_model(blocks: int = 6) -> Any:
     ``nn.MultiheadAttention``, which reads its ``out_proj`` without calling it, then an MLP), a final LayerNorm
     and a head that the root computes from the embedding's weight (a read outside the reading module's subtree of
     modules that ran)."""
-    import torch
     import torch.nn.functional as F
     from torch import nn
 
@@ -47,12 +45,7 @@ def deep_model(blocks: int = 6) -> Any:
                 x = block(x)
             return F.linear(self.ln_f(x), self.tok.weight)
 
-    model = Deep()
-    rng = np.random.default_rng(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy((rng.standard_normal(tuple(p.shape)) * 0.2).astype(np.float32)))
-    return model
+    return fill_normal(Deep(), 5, 0.2)
 
 
 def case_deep(rank: int, comm: Any, zero: int, first: str, steps: int = 3) -> dict[str, Any]:

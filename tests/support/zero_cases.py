@@ -238,11 +238,18 @@ def _gpt(vocab: int = 37, width: int = 16, context: int = 8) -> Any:
             x = x + self.mlp(self.ln2(x))
             return self.head(self.ln_f(x))
 
-    model = TinyGPT()
-    rng = np.random.default_rng(3)
+    return fill_normal(TinyGPT(), 3, 0.1)
+
+
+def fill_normal(model: Any, seed: int, scale: float) -> Any:
+    """``model`` with every parameter drawn from ``scale`` times a standard normal of NumPy's generator of ``seed``
+    (not torch's global one: the simulated ranks are threads), in ``parameters()`` order."""
+    import torch
+
+    rng = np.random.default_rng(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.from_numpy((rng.standard_normal(tuple(p.shape)) * 0.1).astype(np.float32)))
+            p.copy_(torch.from_numpy((rng.standard_normal(tuple(p.shape)) * scale).astype(np.float32)))
     return model
 
 

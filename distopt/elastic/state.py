@@ -118,11 +118,13 @@ class State:
         (``benchmarks/elastic.py`` prints it)."""
         seq = self.commits + 1
         part = self._part(seq)
-        # the store streams the part into its file (restore() reads it back, nothing is kept in memory); the last
-        # commit stays restorable until this one is stored
-        kept = None if self._store is None else self._store(seq, part)
-        object.__setattr__(self, "_committed", kept if kept is not None else dumps(part, "distopt.elastic.State"))
         object.__setattr__(self, "commits", seq)
+        try:  # the store streams the part into its file (restore() reads it back, nothing is kept in memory)
+            kept = None if self._store is None else self._store(seq, part)
+        except Exception:  # not stored (a full /dev/shm): restore() still has it (a regroup's exit passes)
+            object.__setattr__(self, "_committed", dumps(part, "distopt.elastic.State"))
+            raise
+        object.__setattr__(self, "_committed", kept if kept is not None else dumps(part, "distopt.elastic.State"))
 
     def restore(self) -> None:
         """Load the last commit back (the objects in place, the values replaced), at the same world size.

@@ -243,3 +243,24 @@ def test_elastic_sampler_read_before_set_epoch_says_so() -> None:
     restored.load_state_dict({"epoch": 3, "processed": 8, "num_samples": 8, "seed": 0})
     restored.set_epoch(3)  # the resumed loop's call for the epoch in hand
     assert list(restored) == []
+
+
+def test_a_commit_the_store_could_not_write_is_still_restored_from_memory() -> None:
+    model = torch.nn.Linear(3, 2)
+    state = State(model=model, step=0)
+
+    def full(seq: int, part: dict) -> Path:
+        raise OSError(28, "No space left on device")
+
+    state._attach(full)
+    state.step = 3
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OSError):
+        state.commit()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state.step = 4
+    state.restore()
+    assert state.commits == 1 and state.step == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k

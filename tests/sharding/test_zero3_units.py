@@ -25,3 +25,9 @@ def test_zero3_first_forward_gathers_module_by_module(backend: str, first: str) 
         assert 0 < peaks[0] < full / 3, (peaks, full)
         assert peaks[0] <= max(peaks[1:]), peaks
         assert "'tok.weight' is freed" in got[rank]["error"] and "T()" in got[rank]["error"], got[rank]["error"]
+
+
+@pytest.mark.unit
+def test_zero3_another_models_freed_parameter_in_a_first_forward_is_named() -> None:
+    for rank, error in enumerate(run_case("sim", 2, cases.case_two_models)):
+        assert "parameter 'weight' is freed" in error and "add()" in error, (rank, error)

@@ -89,3 +89,27 @@ def case_deep(rank: int, comm: Any, zero: int, first: str, steps: int = 3) -> di
         params = [p.detach().clone().numpy() for p in model.parameters()]
     opt.close()
     return {"params": params, "peaks": peaks, "full": full, "error": error}
+
+
+def case_two_models(rank: int, comm: Any) -> str:
+    """Two ``zero=3`` models; the second's first forward uses a parameter of the first (freed: it is outside the first
+    one's forward) in one operation with its own: the error raised."""
+    import torch
+
+    torch.set_num_threads(1)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opts = [distopt.DistOpt(torch.optim.SGD(m.parameters(), lr=0.1), comm=comm, zero=3, model=m)
+            for m in (first, second)]
+
+    def forward(x: Any) -> Any:
+        return torch.nn.functional.linear(x, second.weight + first.weight)
+
+    second.forward = forward
+    try:
+        second(torch.ones(2, 4))
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    for opt in opts:
+        opt.close()
+    return error

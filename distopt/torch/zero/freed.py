@@ -42,10 +42,14 @@ def freed_class(kind: type) -> type:
                     return func(*args, **(kwargs or {}))
             freed = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                      if isinstance(a, tuple(_FREED.values()))]
-            on_use = getattr(freed[0], "_zero3_on_use", None) if freed else None
-            if on_use is not None:
-                on_use(freed)  # their own classes back
+            users: dict[Any, list[Any]] = {}  # each model's hook, its parameters (two zero=3 models may meet)
+            for a in freed:
+                users.setdefault(getattr(a, "_zero3_on_use", None), []).append(a)
+            if freed and None not in users:
+                for on_use, tensors in users.items():
+                    on_use(tensors)  # their own classes back
                 return func(*args, **(kwargs or {}))
+            freed = users.get(None, freed)
             name = getattr(func, "__name__", "") or str(func)
             name = getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" else name
             raise RuntimeError(f"zero=3: parameter {getattr(freed[0] if freed else None, '_zero3_name', '?')!r} is "

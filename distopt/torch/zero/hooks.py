@@ -47,7 +47,6 @@ class ModuleHooks:
 
     def __init__(self, store: ParamShards, reshard_after_forward: bool = True) -> None:
         self.store, self.reshard = store, reshard_after_forward
-        self._model: Any = None
         self._positions: dict[int, int] = {}
         self._done: list[set[int]] = [set() for _ in store.buckets]  # per bucket: parameters with their gradient
         self._units: dict[int, tuple[int, ...]] | None = None  # id(module) -> its unit's buckets; None: not learnt
@@ -97,7 +96,6 @@ class ModuleHooks:
         """Forward pre- and post-hooks on every module of ``model`` holding a parameter of the layout,
         post-accumulate-grad hooks on the layout's parameters, and state-dict hooks (``state_dict`` returns whole
         tensors, ``load_state_dict`` writes the segments). Returns the hook handles."""
-        self._model = model
         self.store.names = [name for name, _ in model.named_modules()]
         for name, p in model.named_parameters():
             p._zero3_name = name  # named in the error a freed parameter's use raises

@@ -126,12 +126,7 @@ class FullyShardedTorchStep(ShardedTorchStep):
 
     def after_step(self, applied: bool) -> None:  # noqa: ARG002 (the next forward gathers the new values)
         """After the inner ``step()``: swap back and drop the shard gradients; nothing is gathered."""
-        self.swap_out()
-        self._step = None
-        for s in self.shards:
-            s.grad = None
-        self._drop_placeholders()
-        self._drop_segments()
+        super().after_step(False)  # stage 2's, less its parameter gather: the next forward gathers the new values
         self.store.step_done()
 
     def end_of_backward(self) -> None:
